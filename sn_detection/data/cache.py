@@ -1,0 +1,68 @@
+"""A folder of generated files that is either complete and intact, or regenerated.
+
+A split is written into a temporary sibling folder and renamed into place only once complete, with a
+manifest of every file's size and SHA-256 written last. A folder whose manifest is missing, describes
+other generation arguments, or disagrees with the files (a killed run, a truncated or edited file) is
+removed and generated again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Callable
+
+MANIFEST = "manifest.json"
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _list_files(folder: str) -> dict[str, dict]:
+    files = {}
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            relative = os.path.relpath(path, folder)
+            if relative != MANIFEST:
+                files[relative] = {"bytes": os.path.getsize(path), "sha256": _digest(path)}
+    return files
+
+
+def is_intact(folder: str, key: dict) -> bool:
+    """Whether folder holds exactly the files its manifest lists, generated with arguments `key`."""
+    try:
+        with open(os.path.join(folder, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return manifest.get("key") == key and manifest.get("files") == _list_files(folder)
+
+
+def ensure_folder(folder: str, key: dict, generate: Callable[[str], None]) -> str:
+    """Returns `folder`, first (re)generating it with `generate(tmp_folder)` unless it is intact."""
+    if is_intact(folder, key):
+        return folder
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.", dir=parent)
+    try:
+        generate(tmp)
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump({"key": key, "files": _list_files(tmp)}, f)
+        if os.path.lexists(folder) and not is_intact(folder, key):
+            shutil.rmtree(folder, ignore_errors=True)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            # Another process finished the same folder first; theirs is as good as ours.
+            if not is_intact(folder, key):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
