@@ -1,0 +1,290 @@
+"""Dynamic Normalization (DN), Luo et al., "Differentiable Dynamic Normalization for Learning Deep
+Representation", ICML 2019 (only the poster is public).
+
+DN normalizes with statistics pooled from the instance-norm (IN) statistics mu, var (N x C, biased
+variance over H, W) by two averaging matrices, U over the batch (N x N) and V over the channels (C x C):
+
+    mu_hat  = U mu V
+    var_hat = U (var + mu^2) V - mu_hat^2
+    y       = weight * (x - mu_hat) / sqrt(var_hat + eps) + bias
+
+U = I, V = I is IN; U = 11^T/N, V = I is BN; U = I, V = 11^T/C is LN; U = I with V block-diagonal is GN.
+V is the Kronecker product of 2x2 factors, each I_2 or 11^T/2, picked by a binary gate
+g = 1[g_hat > 0] over a learned real g_hat. The gates are trained with a straight-through estimator: the
+forward pass uses the hard gate, the backward pass differentiates the factor g * 11^T/2 + (1 - g) * I as
+if g were g_hat.
+
+The matrices are never built. The channel axis is reshaped into sub-axes, one per Kronecker factor, and
+each factor is applied on its own sub-axis. Applying g * A + (1 - g) * I to the first and second moments
+gives the moments of a mixture of two distributions:
+
+    mean' = (1 - g) mean + g A(mean)
+    var'  = (1 - g) var + g A_var + g (1 - g) (A(mean) - mean)^2,   A_var = A(var) + A((mean - A(mean))^2)
+
+This is the paper's formula rewritten, for any real g (so the straight-through gradients are those of
+the paper's expression), but it never subtracts two large second moments, and it stays accurate in fp32
+when a channel's mean is much larger than its spread. The factors act on different sub-axes, so they
+commute and their order does not matter. The cost is O(N C log C) on the (N, C) summaries; the
+activation itself is read twice (moments, then one fused multiply-add), after one fp32 copy when the
+input is fp16/bf16 (statistics and output are computed in fp32, then cast back).
+
+Choices the poster leaves open, and how they are settled here:
+
+* Channel counts that are not powers of two. C = 2^k * r with r odd. The channel index is split
+  row-major into k binary sub-axes followed by one sub-axis of size r, so V = V_1 x ... x V_k x V_r.
+  For r > 1 the factor V_r (I_r or 11^T/r) gets its own gate. Gates are ordered from the finest factor
+  to the coarsest: [V_r if r > 1, then the least significant bit, ..., the most significant bit]. When
+  the gates that are on form a prefix of this order, V averages contiguous channel blocks, so IN, LN and
+  GN with any power-of-two group count dividing C are expressible. Other gate patterns average strided
+  channel sets (for example channels c and c + r). That is still a valid averaging matrix, block-diagonal
+  up to a permutation of the channels; `selected_grouping()` reports it as not contiguous. GN with a
+  group count that is not a power of two (for example 3 groups of C = 96) cannot be expressed.
+* The batch axis. Detection batches have varying size (0, 1, 2, odd), and their samples are exchangeable,
+  so binary levels over the sample index (pool samples 0-1, then 0-3, ...) mean nothing and are undefined
+  for odd N. U therefore has a single gate: U = 11^T/N (pool the whole batch, BN-like) or U = I.
+* Test time. A statistic pooled over the batch needs population statistics at test time, as BN does.
+  In training, DN always tracks the per-channel batch statistics before channel pooling,
+  mean_n(mu) and mean_n(var + mu^2) - mean_n(mu)^2 (BN's batch statistics, biased variance), in the
+  buffers `running_mean` and `running_var` (shape (C,)); it tracks them whatever the batch gate says, so
+  they are ready if the gate switches on late in training. At test time U mu is replaced by
+  `running_mean` and U (var + mu^2) by `running_var + running_mean^2`, and the current channel pooling V
+  is applied to them. So the test-time output of one sample never depends on the rest of the batch, and
+  running statistics do not go stale when V's gates change. Either momentum updates
+  (running = (1 - m) running + m batch) or the batch-average protocol fill the buffers.
+  Unlike torch.nn.BatchNorm2d, `running_var` holds the biased variance (the factor n/(n-1) is negligible
+  for feature maps, and it makes the batch average exact).
+* Initial gates. `init_groups` sets the initial channel pooling to GN with that many contiguous groups:
+  C (IN) or a power of two dividing C (1 is LN). The default is GN(32), or GN with the largest power of
+  two dividing C when that is smaller. `init_batch_pool` switches the batch gate on (with
+  init_groups=C: BN). Initial gate logits are +-1.
+* An empty batch (N = 0) has no batch statistics: the output is empty, no buffer changes, and the
+  parameters still get (zero) gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor, nn
+
+# Magnitude of the initial gate logits: the sign is the initial gate; an optimizer step has to move a
+# logit by this much before its gate flips.
+_GATE_LOGIT_INIT = 1.0
+_DEFAULT_GROUPS = 32
+
+
+class DynamicGrouping(NamedTuple):
+    """The pooling selected by the current (hard) gates of a `DynamicNorm2d`."""
+
+    num_groups: int
+    group_size: int
+    # True when each group is a block of consecutive channels (IN, GN, LN); False for strided sets.
+    contiguous: bool
+    # True when statistics are pooled over the batch (running statistics at test time).
+    pools_batch: bool
+
+
+def _straight_through_gate(logits: Tensor) -> Tensor:
+    """1[logits > 0] in the forward pass; gradient of the identity in the backward pass."""
+    hard = (logits > 0).to(logits.dtype)
+    return hard + (logits - logits.detach())
+
+
+def _mixture_moments(mean: Tensor, var: Tensor, gate: Tensor, target_mean: Tensor, target_var: Tensor):
+    """Mean and variance of the mixture (1 - gate) * (mean, var) + gate * (target_mean, target_var)."""
+    offset = target_mean - mean
+    mixed_var = (1 - gate) * var + gate * target_var + gate * (1 - gate) * offset.square()
+    return mean + gate * offset, mixed_var
+
+
+def _pooled_moments(mean: Tensor, var: Tensor, dim: int):
+    """Mean and variance of equally sized groups pooled along `dim` (law of total variance)."""
+    pooled_mean = mean.mean(dim, keepdim=True)
+    spread = (mean - pooled_mean).square().mean(dim, keepdim=True)
+    return pooled_mean, var.mean(dim, keepdim=True) + spread
+
+
+def _instance_moments(x: Tensor):
+    """Biased variance and mean over H, W for each (n, c)."""
+    if x.numel() == 0:
+        empty = x.new_zeros(x.shape[:2])
+        return empty, empty
+    return torch.var_mean(x, dim=(2, 3), correction=0)
+
+
+def _split_odd_factor(num_channels: int):
+    """(k, r) with num_channels = 2^k * r and r odd."""
+    levels = (num_channels & -num_channels).bit_length() - 1
+    return levels, num_channels >> levels
+
+
+def _expressible_groups(num_channels: int) -> list[int]:
+    """Group counts of contiguous-block GN that the channel gates can express."""
+    levels, _ = _split_odd_factor(num_channels)
+    return sorted({num_channels} | {2**j for j in range(levels + 1)})
+
+
+def _check_options(num_channels, eps, momentum, init_groups, init_batch_pool) -> None:
+    if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 1:
+        raise ValueError(f"num_channels must be a positive int, got {num_channels!r}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+    if not 0 <= momentum <= 1:
+        raise ValueError(f"momentum must be in [0, 1] (PyTorch convention), got {momentum!r}")
+    valid = _expressible_groups(num_channels)
+    if init_groups is not None and init_groups not in valid:
+        raise ValueError(
+            f"init_groups={init_groups!r} cannot be expressed by DN's gates for {num_channels} channels; "
+            f"valid choices: {valid} (C itself, or a power of two dividing C)"
+        )
+    if not isinstance(init_batch_pool, bool):
+        raise ValueError(f"init_batch_pool must be True or False, got {init_batch_pool!r}")
+
+
+def _check_input(x: Tensor, num_channels: int) -> None:
+    if x.dim() != 4 or x.shape[1] != num_channels:
+        raise ValueError(f"expected input of shape (N, {num_channels}, H, W), got {tuple(x.shape)}")
+
+
+class DynamicNorm2d(nn.Module):
+    """Dynamic Normalization over (N, C, H, W) input; see the module docstring for the equations.
+
+    Args:
+        num_channels: C.
+        eps: added to the variance.
+        momentum: running = (1 - momentum) * running + momentum * batch (PyTorch convention).
+        init_groups: initial contiguous channel groups: C (IN), or a power of two dividing C (1 = LN).
+            None: 32, or the largest power of two dividing C if smaller.
+        init_batch_pool: start with the batch gate on (BN-like pooling over the batch).
+    """
+
+    def __init__(
+        self,
+        num_channels: int,
+        *,
+        eps: float = 1e-5,
+        momentum: float = 0.1,
+        init_groups: Optional[int] = None,
+        init_batch_pool: bool = False,
+    ):
+        super().__init__()
+        _check_options(num_channels, eps, momentum, init_groups, init_batch_pool)
+        self.num_channels = num_channels
+        self.eps = eps
+        self.momentum = momentum
+
+        levels, odd = _split_odd_factor(num_channels)
+        # Channel sub-axes of the (M, 2, ..., 2, r) view of an (M, C) tensor, finest factor first:
+        # dimension levels + 1 is r, dimension levels - j is bit j of the channel's power-of-two part.
+        self._subaxis_shape = (2,) * levels + (odd,)
+        self._gated_dims = ([levels + 1] if odd > 1 else []) + [levels - j for j in range(levels)]
+        self._gated_sizes = ([odd] if odd > 1 else []) + [2] * levels
+
+        if init_groups is None:
+            init_groups = min(_DEFAULT_GROUPS, 2**levels)
+        self.weight = nn.Parameter(torch.ones(num_channels))
+        self.bias = nn.Parameter(torch.zeros(num_channels))
+        self.channel_gates = nn.Parameter(self._initial_channel_logits(init_groups))
+        self.batch_gate = nn.Parameter(torch.tensor(_GATE_LOGIT_INIT if init_batch_pool else -_GATE_LOGIT_INIT))
+        self.register_buffer("running_mean", torch.zeros(num_channels))
+        self.register_buffer("running_var", torch.ones(num_channels))
+        # Count-weighted sums (count, count * mean, count * E[x^2]) while a batch average is running.
+        self._average_sums: Optional[list[Tensor]] = None
+
+    def _initial_channel_logits(self, groups: int) -> Tensor:
+        """Logits whose gates average contiguous blocks of num_channels // groups channels."""
+        # A contiguous block of size 2^j * r (r > 1) or 2^j is a prefix of the fine-to-coarse factors.
+        remaining = self.num_channels // groups
+        logits = []
+        for size in self._gated_sizes:
+            on = remaining > 1 and remaining % size == 0
+            remaining = remaining // size if on else remaining
+            logits.append(_GATE_LOGIT_INIT if on else -_GATE_LOGIT_INIT)
+        return torch.tensor(logits)
+
+    def selected_grouping(self) -> DynamicGrouping:
+        """The grouping the hard gates select now (for logging and analysis)."""
+        gates_on = (self.channel_gates.detach() > 0).tolist()
+        group_size = math.prod(size for size, on in zip(self._gated_sizes, gates_on) if on)
+        contiguous = all(on or not later for on, later in zip(gates_on, gates_on[1:]))
+        return DynamicGrouping(
+            num_groups=self.num_channels // group_size,
+            group_size=group_size,
+            contiguous=contiguous,
+            pools_batch=bool(self.batch_gate.detach() > 0),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_input(x, self.num_channels)
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            x_stats = x.to(dtype)
+            var, mean = _instance_moments(x_stats)
+            mean, var = self._pool_batch(mean, var, pixels=x.shape[2] * x.shape[3])
+            mean, var = self._pool_channels(mean, var)
+            scale = self.weight.to(dtype) * torch.rsqrt(var + self.eps)
+            shift = self.bias.to(dtype) - mean * scale
+            out = torch.addcmul(shift[:, :, None, None], x_stats, scale[:, :, None, None])
+        return out.to(x.dtype)
+
+    def _pool_batch(self, mean: Tensor, var: Tensor, pixels: int):
+        """Apply U: mix each sample's moments with the batch's (training; the batch's moments also go
+        to the running statistics or the batch average) or with the running ones (test)."""
+        count = mean.shape[0] * pixels
+        if self.training and count > 0:
+            target_mean, target_var = _pooled_moments(mean, var, dim=0)
+            self._record_batch(target_mean[0], target_var[0], count)
+        else:
+            target_mean = self.running_mean.to(mean.dtype)
+            target_var = self.running_var.to(mean.dtype)
+        gate = _straight_through_gate(self.batch_gate).to(mean.dtype)
+        return _mixture_moments(mean, var, gate, target_mean, target_var)
+
+    def _pool_channels(self, mean: Tensor, var: Tensor):
+        """Apply V: one gated 2x2 (or r x r) averaging factor per channel sub-axis."""
+        rows = mean.shape[0]
+        mean = mean.reshape(rows, *self._subaxis_shape)
+        var = var.reshape(rows, *self._subaxis_shape)
+        gates = _straight_through_gate(self.channel_gates).to(mean.dtype)
+        for gate, dim in zip(gates, self._gated_dims):
+            target_mean, target_var = _pooled_moments(mean, var, dim)
+            mean, var = _mixture_moments(mean, var, gate, target_mean, target_var)
+        return mean.reshape(rows, self.num_channels), var.reshape(rows, self.num_channels)
+
+    @torch.no_grad()
+    def _record_batch(self, batch_mean: Tensor, batch_var: Tensor, count: int) -> None:
+        if self._average_sums is not None:
+            mean, var = batch_mean.double(), batch_var.double()
+            sums = (count, count * mean, count * (var + mean.square()))
+            self._average_sums = [total + new for total, new in zip(self._average_sums, sums)]
+        else:
+            self.running_mean.lerp_(batch_mean.to(self.running_mean.dtype), self.momentum)
+            self.running_var.lerp_(batch_var.to(self.running_var.dtype), self.momentum)
+
+    def start_batch_average(self) -> None:
+        """Begin the batch average: training-mode forwards now accumulate exact batch statistics
+        instead of updating the running ones; `finish_batch_average()` writes the pooled result."""
+        zeros = torch.zeros(self.num_channels, dtype=torch.float64, device=self.running_mean.device)
+        self._average_sums = [zeros.new_zeros(()), zeros, zeros.clone()]
+
+    def finish_batch_average(self) -> None:
+        """Write the statistics of all batches seen since `start_batch_average()` into the running
+        buffers, as if those batches had been one batch."""
+        if self._average_sums is None:
+            raise RuntimeError("finish_batch_average() called without start_batch_average()")
+        count, mean_sum, square_sum = self._average_sums
+        if count == 0:
+            raise RuntimeError(
+                "finish_batch_average(): no non-empty training-mode batch was seen since "
+                "start_batch_average(); run some batches with the module in train mode first"
+            )
+        mean = mean_sum / count
+        var = (square_sum / count - mean.square()).clamp_min(0)
+        self.running_mean.copy_(mean)
+        self.running_var.copy_(var)
+        self._average_sums = None
+
+    def extra_repr(self) -> str:
+        return f"{self.num_channels}, eps={self.eps}, momentum={self.momentum}, grouping={self.selected_grouping()}"
