@@ -1,0 +1,28 @@
+"""Group Normalization (Wu and He, ECCV 2018) with detectron2's default of 32 groups.
+
+    y = gamma * (x - mu_g) / sqrt(var_g + eps) + beta,  moments over (C / G channels of a group, H, W)
+
+A subclass of ``torch.nn.GroupNorm`` so that parameters (``weight``, ``bias`` of shape (C,)) and state
+dicts are PyTorch's; only two things change. The constructor takes the channel count first, like the
+other layers of this package, and fails with both numbers when they do not divide. The forward computes
+in at least float32 and returns the input's dtype, so fp16 inputs and bf16 autocast regions (where
+PyTorch would return float32) behave as for the other layers.
+"""
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .statistics import stat_dtype
+
+
+class GroupNorm2d(nn.GroupNorm):
+    """GN over (N, C, H, W) inputs with ``num_groups`` groups of channels."""
+
+    def __init__(self, num_channels: int, *, num_groups: int = 32, eps: float = 1e-5):
+        if num_groups <= 0 or num_channels % num_groups:
+            raise ValueError(f"GroupNorm2d: num_channels={num_channels} is not divisible by num_groups={num_groups}")
+        super().__init__(num_groups, num_channels, eps=eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.group_norm(x.to(stat_dtype(x)), self.num_groups, self.weight, self.bias, self.eps)
+        return y.to(x.dtype)

@@ -1,0 +1,53 @@
+"""Positional Normalization, PONO, and its Moment Shortcut, MS (Li et al., NeurIPS 2019).
+
+    mu_{n,h,w} = mean_c x_{n,c,h,w},  sigma_{n,h,w} = sqrt(var_c x_{n,c,h,w} + eps),  PONO(x) = (x - mu) / sigma
+    MS(x, mu, sigma) = x * sigma + mu
+
+The statistics have shape (N, 1, H, W) and are computed from the sample itself, so there are no running
+statistics and training and evaluation behave identically. Choices:
+
+- The variance is the biased one over channels, as in the paper's TensorFlow listing (``tf.nn.moments``);
+  the paper's typeset formula, which subtracts mu from x^2 rather than squaring (x - mu), is a typo.
+- ``PositionalNorm2d`` adds a per-channel affine (``weight``, ``bias`` of shape (C,)) so that it is a
+  drop-in for BN / GN as a detectron2 norm type; it then equals detectron2's channel-wise ``LayerNorm``.
+- Statistics and normalization are computed in at least float32, and the output has the input's dtype.
+"""
+
+import torch
+from torch import Tensor, nn
+
+from .statistics import stat_dtype
+
+
+def pono(x: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor, Tensor]:
+    """(normalized, mean, std) of PONO for an (N, C, H, W) x; mean and std are (N, 1, H, W), float32+."""
+    xs = x.to(stat_dtype(x))
+    mean = xs.mean(1, keepdim=True)
+    centered = xs - mean
+    # two passes rather than torch.var_mean, which warns on empty batches
+    std = torch.sqrt(centered.square().mean(1, keepdim=True) + eps)
+    return centered / std, mean, std
+
+
+def moment_shortcut(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """MS: re-inject PONO moments taken elsewhere in the network, x * std + mean."""
+    return x * std + mean
+
+
+class PositionalNorm2d(nn.Module):
+    """PONO followed by a per-channel affine."""
+
+    def __init__(self, num_channels: int, *, eps: float = 1e-5):
+        super().__init__()
+        self.num_channels = num_channels
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(num_channels))
+        self.bias = nn.Parameter(torch.zeros(num_channels))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_channels}, eps={self.eps}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        normalized, _, _ = pono(x, self.eps)
+        y = torch.addcmul(self.bias[:, None, None], normalized, self.weight[:, None, None])
+        return y.to(x.dtype)

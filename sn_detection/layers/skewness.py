@@ -1,0 +1,83 @@
+"""Batch Normalization with Skewness Reduction, BNSR (Ding et al.), Alg. 1 and 2 with Eq. 6-7.
+
+    z = (x - mu_B) / sqrt(var_B + eps),   y = gamma * phi_p(z) + beta,   phi_p(z) = sign(z) |z|^p
+
+p = 1.01 by default (the paper's value); p = 1 is exactly BatchNorm. At test time mu_B, var_B are the
+running statistics, exactly as PyTorch's ``BatchNorm2d`` keeps them: same buffer names and momentum
+convention, and the *unbiased* batch variance is stored (the paper allows either estimate). The batch
+average (``start_batch_average`` / ``finish_batch_average``) accordingly stores the mean and unbiased
+variance of all pooled batches together, i.e. what ``BatchNorm2d(momentum=1)`` would store after one
+forward of their concatenation.
+
+Choices the paper leaves open:
+
+- phi_p is computed in float32 (float64 for float64 inputs) whatever the input dtype.
+- Its derivative p |z|^(p-1) is infinite (p < 1) or 0 (p > 1) at z = 0, which happens whenever a channel
+  is constant. The gradient at exactly 0 is defined as its limit for p >= 1 (0, or 1 when p = 1) and
+  as 0 for p < 1, so it is always finite.
+- A batch with a single value per channel normalizes to 0 (PyTorch's BatchNorm refuses it) and, its
+  unbiased variance being undefined, contributes a variance of 0 to the running estimate.
+"""
+
+import torch
+from torch import Tensor, nn
+
+from .statistics import RunningMoments, batch_sums, instance_moments, moments_from_sums, scale_shift, stat_dtype
+
+
+class _SignedPower(torch.autograd.Function):
+    """phi_p(z) = sign(z) |z|^p with a finite derivative at z = 0 (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, z: Tensor, p: float):
+        ctx.save_for_backward(z)
+        ctx.p = p
+        # in place after one allocation: these passes are over full-size activations
+        return z.abs().pow_(p).copysign_(z)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (z,) = ctx.saved_tensors
+        p = ctx.p
+        slope = z.abs().pow_(p - 1).mul_(p).masked_fill_(z == 0, 1.0 if p == 1 else 0.0)
+        return slope.mul_(grad), None
+
+
+def signed_power(z: Tensor, p: float) -> Tensor:
+    """The skewness correction phi_p of Eq. 6."""
+    return _SignedPower.apply(z, p)
+
+
+class SkewnessReducedBatchNorm2d(RunningMoments, nn.Module):
+    """BNSR over (N, C, H, W) inputs; drop-in for ``BatchNorm2d`` (same parameters and buffers)."""
+
+    unbiased_running_var = True
+
+    def __init__(self, num_channels: int, *, p: float = 1.01, eps: float = 1e-5, momentum: float = 0.1):
+        if not p > 0:
+            raise ValueError(f"SkewnessReducedBatchNorm2d: p must be > 0, got p={p}")
+        super().__init__()
+        self.num_channels = num_channels
+        self.p = p
+        self.eps = eps
+        self.momentum = momentum
+        self.weight = nn.Parameter(torch.ones(num_channels))
+        self.bias = nn.Parameter(torch.zeros(num_channels))
+        self._register_running_moments(num_channels)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_channels}, p={self.p}, eps={self.eps}, momentum={self.momentum}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        mean, var = self._batch_statistics(x) if self.training else (self.running_mean, self.running_var)
+        n, c = x.shape[:2]
+        inv_std = torch.rsqrt(var + self.eps)
+        z = scale_shift(x.to(stat_dtype(x)), inv_std.expand(n, c), (-mean * inv_std).expand(n, c))
+        y = scale_shift(signed_power(z, self.p), self.weight.expand(n, c), self.bias.expand(n, c))
+        return y.to(x.dtype)
+
+    def _batch_statistics(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        mean_in, var_in = instance_moments(x)
+        sums = batch_sums(mean_in, var_in, x.shape[2] * x.shape[3])
+        self._track(sums)
+        return moments_from_sums(sums)

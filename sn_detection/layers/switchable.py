@@ -1,0 +1,121 @@
+"""Switchable Normalization (Luo, Ren, Peng, ICLR 2019), Eq. 3-5, and its synchronized variant.
+
+    y = gamma * (x - sum_k w_k mu_k) / sqrt(sum_k w'_k var_k + eps) + beta,   k in [IN, LN, BN]
+
+with w = softmax(mean_weight), w' = softmax(var_weight) (Eq. 4; two independent softmaxes). The IN
+moments are computed once and LN / BN moments derived from them (Eq. 5, see ``statistics``); the
+normalization and the affine are folded into one per-(n, c) scale and shift.
+
+Choices the paper leaves open, and how they are settled here:
+
+- Logits are initialised to 1 (the paper's lambda = 1), ordered [IN, LN, BN] like the authors'
+  checkpoints, which store logits rather than weights. ``use_bn=False`` drops the BN branch (2 logits
+  each), as the authors do with one image per GPU, where BN equals IN in training.
+- At test time IN and LN statistics still come from the sample itself; only the BN branch uses stored
+  ``running_mean`` / ``running_var``. In training they follow PyTorch's momentum convention,
+  ``running = (1 - momentum) * running + momentum * batch`` (the original code's ``momentum=0.9`` is
+  the opposite convention, i.e. 0.1 here), and store the *biased* batch variance, the one the layer
+  normalizes with (PyTorch's BatchNorm stores the unbiased one). Momentum ``None`` (cumulative average)
+  is not supported; the batch average below serves that purpose.
+- The paper's "batch average" (Sec. 2.1, Inference) is the protocol ``start_batch_average()`` /
+  ``finish_batch_average()``: in between, training-mode forwards pool the exact per-channel sums of
+  the BN branch instead of updating the moving average, and ``finish`` stores their mean and variance
+  (the statistics of the concatenation of all those batches). ``num_batches_tracked`` is not changed.
+- With ``use_bn=False`` there is nothing to estimate: the layer has no buffers, behaves identically in
+  training and evaluation, and the batch-average methods do nothing.
+- An empty batch (N = 0) yields an empty output and leaves the buffers untouched.
+
+``SyncSwitchableNorm2d`` pools the BN branch over all processes: each one all-reduces its per-channel
+(sum, sum of squares, count), so unequal and even empty per-process batches are weighted exactly, and
+the all-reduce is differentiable so gradients flow across processes as in one big batch. As with
+``torch.nn.SyncBatchNorm``, every process must run each training forward and backward of the layer
+(its all-reduce and that of its gradient): a process with an empty batch still calls the layer and
+lets its empty output reach the loss. The batch average pools the already all-reduced sums, so every
+process stores the same statistics. Without an initialized process group (or with one process) the
+layer is exactly ``SwitchableNorm2d``.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import Tensor, nn
+
+from .statistics import (
+    MomentSums,
+    RunningMoments,
+    batch_sums,
+    instance_moments,
+    layer_moments,
+    moments_from_sums,
+    normalize,
+)
+
+
+class SwitchableNorm2d(RunningMoments, nn.Module):
+    """Switchable Normalization over (N, C, H, W) inputs; see the module docstring."""
+
+    def __init__(self, num_channels: int, *, eps: float = 1e-5, momentum: float = 0.1, use_bn: bool = True):
+        super().__init__()
+        self.num_channels = num_channels
+        self.eps = eps
+        self.momentum = momentum
+        self.use_bn = use_bn
+        self.weight = nn.Parameter(torch.ones(num_channels))
+        self.bias = nn.Parameter(torch.zeros(num_channels))
+        num_branches = 3 if use_bn else 2
+        self.mean_weight = nn.Parameter(torch.ones(num_branches))
+        self.var_weight = nn.Parameter(torch.ones(num_branches))
+        if use_bn:
+            self._register_running_moments(num_channels)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_channels}, eps={self.eps}, momentum={self.momentum}, use_bn={self.use_bn}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        mean_in, var_in = instance_moments(x)
+        mean_ln, var_ln = layer_moments(mean_in, var_in)
+        means, variances = [mean_in, mean_ln], [var_in, var_ln]
+        if self.use_bn:
+            mean_bn, var_bn = self._batch_branch(mean_in, var_in, x.shape[2] * x.shape[3])
+            means.append(mean_bn)
+            variances.append(var_bn)
+        mean = _mix(self.mean_weight, means)
+        var = _mix(self.var_weight, variances)
+        return normalize(x, mean, var, self.weight, self.bias, self.eps)
+
+    def _batch_branch(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
+        if not self.training:
+            return self.running_mean, self.running_var
+        sums = self._reduce(batch_sums(mean_in, var_in, spatial_size))
+        self._track(sums)
+        return moments_from_sums(sums)
+
+    def _reduce(self, sums: MomentSums) -> MomentSums:
+        """Pools the BN-branch sums over the units that share statistics; here, this process only."""
+        return sums
+
+    def start_batch_average(self) -> None:
+        if self.use_bn:
+            super().start_batch_average()
+
+    def finish_batch_average(self) -> None:
+        if self.use_bn:
+            super().finish_batch_average()
+
+
+class SyncSwitchableNorm2d(SwitchableNorm2d):
+    """SN whose BN branch pools statistics over all processes of the default process group."""
+
+    def _reduce(self, sums: MomentSums) -> MomentSums:
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return sums
+        # one collective for all three sums; a process with an empty batch contributes zeros
+        packed = dist_fn.all_reduce(torch.cat([sums.total, sums.total_sq, sums.count.view(1)]))
+        total, total_sq, count = packed.split([self.num_channels, self.num_channels, 1])
+        return MomentSums(total, total_sq, count.squeeze(0))
+
+
+def _mix(logits: Tensor, statistics: list[Tensor]) -> Tensor:
+    """sum_k softmax(logits)_k * statistics_k, broadcasting (N, C), (N, 1) and (C,) to (N, C)."""
+    weights = torch.softmax(logits, 0)
+    return sum(w * s for w, s in zip(weights, statistics))

@@ -1,0 +1,126 @@
+"""The contract every layer of ``build_norm`` honours, whatever its equation.
+
+Detection feeds norms empty batches (no proposals), single images, 1x1 maps, mixed precision and
+channels-last tensors, and saves and reloads them; each case below is run for every registered name.
+"""
+
+import pytest
+import torch
+
+from sn_detection.layers import NORM_NAMES, build_norm, norm_options
+
+CHANNELS = 8
+
+
+def make(name, seed=0):
+    """A layer with perturbed parameters, so that round trips and comparisons are not trivial."""
+    options = {"num_groups": 4} if "num_groups" in norm_options(name) else {}
+    torch.manual_seed(seed)
+    layer = build_norm(name, CHANNELS, **options)
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    return layer
+
+
+def features(n, size=5, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(n, CHANNELS, size, size + 1, generator=generator) * 2 + 0.5
+
+
+def buffers(layer):
+    return {name: buffer.clone() for name, buffer in layer.named_buffers()}
+
+
+def assert_same_buffers(got, expected):
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+@pytest.fixture(params=NORM_NAMES)
+def name(request):
+    return request.param
+
+
+def test_weight_and_bias_per_channel(name):
+    parameters = dict(make(name).named_parameters())
+    assert parameters["weight"].shape == parameters["bias"].shape == (CHANNELS,)
+
+
+def test_empty_batch_gives_empty_output_and_keeps_buffers(name):
+    layer = make(name).train()
+    before = buffers(layer)
+    x = features(0).requires_grad_()
+    y = layer(x)
+    assert y.shape == x.shape and y.isfinite().all()
+    assert_same_buffers(buffers(layer), before)
+    y.sum().backward()
+    assert all(p.grad is None or p.grad.isfinite().all() for p in layer.parameters())
+
+
+def test_single_sample_in_training(name):
+    assert make(name).train()(features(1)).isfinite().all()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_one_by_one_maps(name, n, training):
+    x = features(n)[:, :, :1, :1]
+    assert make(name).train(training)(x).isfinite().all()
+
+
+def test_switching_between_training_and_evaluation(name):
+    layer = make(name).train()
+    assert layer(features(3, seed=2)).isfinite().all()
+    layer.eval()
+    after_training = buffers(layer)
+    first = layer(features(2, seed=3))
+    torch.testing.assert_close(layer(features(2, seed=3)), first, rtol=0, atol=0)
+    assert_same_buffers(buffers(layer), after_training)
+    assert layer.train()(features(3, seed=4)).isfinite().all()
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_bfloat16_autocast_keeps_the_input_dtype(name, training):
+    layer = make(name).train(training)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(features(2).bfloat16())
+    assert y.dtype == torch.bfloat16 and y.isfinite().all()
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_float16_input_gives_float16_output(name, training):
+    y = make(name).train(training)(features(2).half())
+    assert y.dtype == torch.float16 and y.isfinite().all()
+
+
+def test_channels_last_gives_the_same_values(name):
+    contiguous, channels_last = make(name).train(), make(name).train()
+    x = features(3)
+    expected = contiguous(x)
+    got = channels_last(x.to(memory_format=torch.channels_last))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for (key, value), other in zip(contiguous.state_dict().items(), channels_last.state_dict().values()):
+        torch.testing.assert_close(other, value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_state_dict_round_trip(name):
+    layer = make(name).train()
+    for seed in range(2):
+        layer(features(3, seed=seed))
+    fresh = make(name, seed=1)
+    fresh.load_state_dict(layer.state_dict())
+    assert_same_buffers(buffers(fresh), buffers(layer))
+    layer.eval()
+    fresh.eval()
+    torch.testing.assert_close(fresh(features(2, seed=9)), layer(features(2, seed=9)), rtol=0, atol=0)
+
+
+def test_backward_gives_finite_gradients(name):
+    layer = make(name).train()
+    x = features(3).requires_grad_()
+    (layer(x) * features(3, seed=5)).sum().backward()
+    assert x.grad.isfinite().all()
+    for parameter_name, parameter in layer.named_parameters():
+        assert parameter.grad is not None and parameter.grad.isfinite().all(), parameter_name

@@ -1,0 +1,125 @@
+"""SyncSwitchableNorm2d: SN over a batch split across processes equals SN on the whole batch.
+
+Two real processes (gloo on CPU) each get a slice of one batch, of unequal and even zero size; their
+outputs, input gradients, summed parameter gradients and running statistics must equal those of a
+single SwitchableNorm2d run on the concatenation.
+"""
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sn_detection.layers import SwitchableNorm2d, SyncSwitchableNorm2d
+
+CHANNELS = 3
+WORLD_SIZE = 2
+SPLITS = {"3+1": (3, 1), "2+0": (2, 0), "0+2": (0, 2)}
+AVERAGE_SPLITS = [(2, 1), (1, 3), (0, 2)]  # batch average over three steps of unequal slices
+
+
+def problem(sizes, seed):
+    """The full batch, the upstream gradient and a random layer state, identical in every process."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (sum(sizes), CHANNELS, 3, 4)
+    x = torch.randn(shape, generator=generator, dtype=torch.float64) * 2 + 1
+    grad_y = torch.randn(shape, generator=generator, dtype=torch.float64)
+    state = SwitchableNorm2d(CHANNELS).double().state_dict()
+    for key in ("weight", "bias", "mean_weight", "var_weight"):
+        state[key] = torch.randn(state[key].shape, generator=generator, dtype=torch.float64)
+    return x, grad_y, state
+
+
+def local_slice(sizes, rank):
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+def run_step(layer, x, grad_y):
+    """One training step: output, input gradient and parameter gradients (zeros when unused)."""
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    (y * grad_y).sum().backward()
+    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in layer.named_parameters()}
+    return {"y": y.detach(), "x_grad": x.grad, "param_grads": grads}
+
+
+def worker(rank, init_file, result_dir):
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=60)
+    )
+    results = {}
+    for seed, (name, sizes) in enumerate(SPLITS.items()):
+        x, grad_y, state = problem(sizes, seed)
+        layer = SyncSwitchableNorm2d(CHANNELS).double()
+        layer.load_state_dict(state)
+        part = local_slice(sizes, rank)
+        results[name] = run_step(layer, x[part], grad_y[part])
+        results[name]["running"] = (layer.running_mean, layer.running_var)
+
+    layer = SyncSwitchableNorm2d(CHANNELS).double()
+    layer.start_batch_average()
+    with torch.no_grad():
+        for seed, sizes in enumerate(AVERAGE_SPLITS):
+            layer(problem(sizes, seed)[0][local_slice(sizes, rank)])
+    layer.finish_batch_average()
+    results["batch average"] = (layer.running_mean, layer.running_var)
+    torch.save(results, result_dir / f"rank{rank}.pt")
+    dist.barrier()  # without it, gloo's destroy_process_group occasionally hangs (torch 2.3)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def distributed_results(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("sync_sn")
+    workers = mp.spawn(worker, args=(directory / "init", directory), nprocs=WORLD_SIZE, join=False)
+    deadline = time.monotonic() + 120
+    while not workers.join(timeout=1):
+        if time.monotonic() > deadline:  # a collective mismatch must fail the test, not hang the suite
+            for process in workers.processes:
+                process.kill()
+            pytest.fail("distributed workers did not finish in 120 s")
+    return [torch.load(directory / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+
+
+@pytest.mark.parametrize("name", list(SPLITS))
+def test_split_batch_equals_whole_batch(distributed_results, name):
+    sizes = SPLITS[name]
+    x, grad_y, state = problem(sizes, list(SPLITS).index(name))
+    reference = SwitchableNorm2d(CHANNELS).double()
+    reference.load_state_dict(state)
+    expected = run_step(reference, x, grad_y)
+    for rank, results in enumerate(distributed_results):
+        part = local_slice(sizes, rank)
+        got = results[name]
+        assert got["y"].shape == (sizes[rank], CHANNELS, 3, 4)
+        torch.testing.assert_close(got["y"], expected["y"][part], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got["x_grad"], expected["x_grad"][part], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got["running"][0], reference.running_mean, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got["running"][1], reference.running_var, rtol=0, atol=1e-5)
+    for parameter, expected_grad in expected["param_grads"].items():
+        summed = sum(results[name]["param_grads"][parameter] for results in distributed_results)
+        torch.testing.assert_close(summed, expected_grad, rtol=0, atol=1e-5)
+
+
+def test_batch_average_pools_all_processes(distributed_results):
+    everything = torch.cat([problem(sizes, seed)[0] for seed, sizes in enumerate(AVERAGE_SPLITS)])
+    mean, var = everything.mean((0, 2, 3)), everything.var((0, 2, 3), unbiased=False)
+    for results in distributed_results:
+        torch.testing.assert_close(results["batch average"][0], mean, rtol=0, atol=1e-5)
+        torch.testing.assert_close(results["batch average"][1], var, rtol=0, atol=1e-5)
+
+
+def test_without_process_group_equals_switchable_norm():
+    assert not dist.is_initialized()
+    x, grad_y, state = problem((4,), seed=5)
+    layers = [SwitchableNorm2d(CHANNELS).double(), SyncSwitchableNorm2d(CHANNELS).double()]
+    steps = []
+    for layer in layers:
+        layer.load_state_dict(state)
+        steps.append(run_step(layer, x, grad_y))
+    torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=0)
+    torch.testing.assert_close(layers[1].state_dict(), layers[0].state_dict(), rtol=0, atol=0)
