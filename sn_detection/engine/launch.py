@@ -11,6 +11,7 @@ from detectron2.engine import default_setup
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
+from ..d2 import add_sn_config
 from ..data.datasets import register_shapes_datasets
 from .trainer import Trainer
 
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 def setup_cfg(args):
     """A frozen config from args.config_file and the trailing KEY VALUE overrides in args.opts."""
     cfg = get_cfg()
+    add_sn_config(cfg)
     cfg.merge_from_file(args.config_file)
     cfg.merge_from_list(args.opts)
     if cfg.MODEL.DEVICE.startswith("cuda") and not torch.cuda.is_available():

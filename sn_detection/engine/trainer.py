@@ -1,5 +1,6 @@
-"""The trainer behind tools/train_net.py: detectron2's DefaultTrainer with COCO evaluation that also
-writes its AP to a JSON file and prints a one-line summary."""
+"""The trainer behind tools/train_net.py: detectron2's DefaultTrainer whose model has our norms
+configured by ``cfg.MODEL.SN`` and frozen in frozen stages, whose optimizer applies our norms' rules, and
+whose COCO evaluation also writes its AP to a JSON file and prints a one-line summary."""
 
 from __future__ import annotations
 
@@ -12,12 +13,24 @@ from detectron2.engine import DefaultTrainer
 from detectron2.evaluation import COCOEvaluator
 from detectron2.utils import comm
 
+from .. import d2
+
 RESULTS_FILE = "eval_results.json"
 
 logger = logging.getLogger(__name__)
 
 
 class Trainer(DefaultTrainer):
+    @classmethod
+    def build_model(cls, cfg):
+        model = d2.build_model(cfg)
+        logger.info("Model:\n%s", model)
+        return model
+
+    @classmethod
+    def build_optimizer(cls, cfg, model):
+        return d2.build_optimizer(cfg, model)
+
     @classmethod
     def build_evaluator(cls, cfg, dataset_name, output_folder=None):
         json_file = MetadataCatalog.get(dataset_name).get("json_file")

@@ -2,6 +2,7 @@
 
 from .dynamic import DynamicNorm2d
 from .factory import NORM_NAMES, build_norm, norm_options
+from .freezing import FreezableNorm
 from .group import GroupNorm2d
 from .mode import ModeGroupNorm2d, ModeNorm2d
 from .positional import PositionalNorm2d, moment_shortcut, pono
@@ -11,6 +12,7 @@ from .switchable import SwitchableNorm2d, SyncSwitchableNorm2d
 __all__ = [
     "NORM_NAMES",
     "DynamicNorm2d",
+    "FreezableNorm",
     "GroupNorm2d",
     "ModeGroupNorm2d",
     "ModeNorm2d",

@@ -69,6 +69,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from .freezing import FreezableNorm
+
 # Magnitude of the initial gate logits: the sign is the initial gate; an optimizer step has to move a
 # logit by this much before its gate flips.
 _GATE_LOGIT_INIT = 1.0
@@ -148,7 +150,7 @@ def _check_input(x: Tensor, num_channels: int) -> None:
         raise ValueError(f"expected input of shape (N, {num_channels}, H, W), got {tuple(x.shape)}")
 
 
-class DynamicNorm2d(nn.Module):
+class DynamicNorm2d(FreezableNorm, nn.Module):
     """Dynamic Normalization over (N, C, H, W) input; see the module docstring for the equations.
 
     Args:

@@ -51,6 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .freezing import FreezableNorm
+
 # Floor for a mode's total gate weight N_k (in samples) or C_k (in channels).
 _MIN_MODE_WEIGHT = 1e-6
 
@@ -81,7 +83,7 @@ def _apply_scale_shift(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     return torch.addcmul(shift[:, :, None, None], x, scale[:, :, None, None])
 
 
-class ModeNorm2d(nn.Module):
+class ModeNorm2d(FreezableNorm, nn.Module):
     """Mode Normalization (Alg. 1 and 2) over (N, C, H, W) input; see the module docstring.
 
     Args:

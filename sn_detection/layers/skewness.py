@@ -22,6 +22,7 @@ Choices the paper leaves open:
 import torch
 from torch import Tensor, nn
 
+from .freezing import FreezableNorm
 from .statistics import RunningMoments, batch_sums, instance_moments, moments_from_sums, scale_shift, stat_dtype
 
 
@@ -48,7 +49,7 @@ def signed_power(z: Tensor, p: float) -> Tensor:
     return _SignedPower.apply(z, p)
 
 
-class SkewnessReducedBatchNorm2d(RunningMoments, nn.Module):
+class SkewnessReducedBatchNorm2d(FreezableNorm, RunningMoments, nn.Module):
     """BNSR over (N, C, H, W) inputs; drop-in for ``BatchNorm2d`` (same parameters and buffers)."""
 
     unbiased_running_var = True

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
 
+from .freezing import FreezableNorm
 from .statistics import (
     MomentSums,
     RunningMoments,
@@ -51,7 +52,7 @@ from .statistics import (
 )
 
 
-class SwitchableNorm2d(RunningMoments, nn.Module):
+class SwitchableNorm2d(FreezableNorm, RunningMoments, nn.Module):
     """Switchable Normalization over (N, C, H, W) inputs; see the module docstring."""
 
     def __init__(self, num_channels: int, *, eps: float = 1e-5, momentum: float = 0.1, use_bn: bool = True):

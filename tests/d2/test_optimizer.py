@@ -1,0 +1,112 @@
+"""Optimizer parameter groups: SOLVER.WEIGHT_DECAY_NORM for our norms' affine parameters, the gate rule
+(SOLVER.GATE_WEIGHT_DECAY, lr x SOLVER.GATE_LR_FACTOR) for SN's logits, DN's gates and MN's / MGN's
+gate, detectron2's rules for everything else."""
+
+import pytest
+import torch
+from detectron2.config import get_cfg
+from detectron2.solver import build_lr_scheduler
+from torch import nn
+
+from sn_detection.d2 import add_sn_config, build_optimizer
+from sn_detection.d2.optimizer import GATE_PARAMETERS, NORM_TYPES
+from sn_detection.engine import Trainer
+from sn_detection.layers import NORM_NAMES, build_norm
+
+BASE_LR, WEIGHT_DECAY, WEIGHT_DECAY_NORM, GATE_WEIGHT_DECAY, GATE_LR_FACTOR = 0.02, 1e-4, 2e-5, 3e-6, 0.1
+
+
+def solver_cfg(*opts):
+    cfg = get_cfg()
+    add_sn_config(cfg)
+    cfg.merge_from_list([
+        "SOLVER.BASE_LR", BASE_LR, "SOLVER.WEIGHT_DECAY", WEIGHT_DECAY,
+        "SOLVER.WEIGHT_DECAY_NORM", WEIGHT_DECAY_NORM, "SOLVER.GATE_WEIGHT_DECAY", GATE_WEIGHT_DECAY,
+        "SOLVER.GATE_LR_FACTOR", GATE_LR_FACTOR, *opts,
+    ])
+    return cfg
+
+
+def network():
+    """A conv, each of our norms, detectron2-known norms, a linear layer and a frozen norm."""
+    layers = {name: build_norm(name, 32) for name in NORM_NAMES}
+    layers.update(conv=nn.Conv2d(32, 32, 3), bn=nn.BatchNorm2d(32), fc=nn.Linear(32, 4), frozen=build_norm("SN", 32))
+    layers["frozen"].requires_grad_(False)
+    return nn.ModuleDict(layers)
+
+
+def hyperparameters(optimizer):
+    """Parameter -> (lr, weight decay) of its group; checks each parameter is in exactly one group."""
+    found = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            assert param not in found
+            found[param] = (group["lr"], group["weight_decay"])
+    return found
+
+
+def test_every_parameter_of_our_norms_is_affine_or_a_gate():
+    for name in NORM_NAMES:
+        layer = build_norm(name, 32)
+        assert isinstance(layer, NORM_TYPES)
+        names = {n for n, _ in layer.named_parameters()}
+        assert names - GATE_PARAMETERS == {"weight", "bias"}, name
+
+
+def test_groups_hold_the_norm_and_gate_rules():
+    model = network()
+    found = hyperparameters(build_optimizer(solver_cfg(), model))
+
+    gates = 0
+    for name in NORM_NAMES:
+        for param_name, param in model[name].named_parameters():
+            if param_name in GATE_PARAMETERS:
+                gates += 1
+                assert found[param] == pytest.approx((BASE_LR * GATE_LR_FACTOR, GATE_WEIGHT_DECAY)), (name, param_name)
+            else:
+                assert found[param] == (BASE_LR, WEIGHT_DECAY_NORM), (name, param_name)
+    assert gates == 5 * 2  # SN, SyncSN, DN, MGN, MN: two each
+    for param in model["bn"].parameters():
+        assert found[param] == (BASE_LR, WEIGHT_DECAY_NORM)
+    for param in (*model["conv"].parameters(), *model["fc"].parameters()):
+        assert found[param] == (BASE_LR, WEIGHT_DECAY)
+    assert not any(p in found for p in model["frozen"].parameters())
+    assert len(found) == sum(p.requires_grad for p in model.parameters())
+
+
+def test_detectron2s_bias_rules_still_apply_to_our_norms_biases():
+    model = network()
+    cfg = solver_cfg("SOLVER.WEIGHT_DECAY_BIAS", 5e-5, "SOLVER.BIAS_LR_FACTOR", 2.0)
+    found = hyperparameters(build_optimizer(cfg, model))
+    assert found[model["SN"].bias] == (2 * BASE_LR, 5e-5)
+    assert found[model["SN"].weight] == (BASE_LR, WEIGHT_DECAY_NORM)
+    assert found[model["bn"].bias] == (2 * BASE_LR, 5e-5)
+    assert found[model["MN"].gate.bias] == pytest.approx((BASE_LR * GATE_LR_FACTOR, GATE_WEIGHT_DECAY))
+    assert found[model["conv"].bias] == (2 * BASE_LR, 5e-5)
+
+
+def test_few_groups_sgd_settings_and_gradient_clipping():
+    cfg = solver_cfg("SOLVER.MOMENTUM", 0.8, "SOLVER.NESTEROV", True, "SOLVER.CLIP_GRADIENTS.ENABLED", True)
+    optimizer = build_optimizer(cfg, network())
+    assert len(optimizer.param_groups) == 3  # default, norm, gate
+    assert all(g["momentum"] == 0.8 and g["nesterov"] for g in optimizer.param_groups)
+    assert isinstance(optimizer, torch.optim.SGD) and type(optimizer) is not torch.optim.SGD
+
+
+def test_the_schedule_keeps_the_gate_lr_factor():
+    cfg = solver_cfg("SOLVER.WARMUP_ITERS", 10, "SOLVER.STEPS", (3,), "SOLVER.MAX_ITER", 20)
+    model = network()
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_lr_scheduler(cfg, optimizer)
+    gate_group = next(g for g in optimizer.param_groups if any(p is model["SN"].mean_weight for p in g["params"]))
+    conv_group = next(g for g in optimizer.param_groups if any(p is model["conv"].weight for p in g["params"]))
+    for _ in range(5):
+        optimizer.step()
+        scheduler.step()
+        assert gate_group["lr"] == pytest.approx(GATE_LR_FACTOR * conv_group["lr"])
+    assert conv_group["lr"] < BASE_LR
+
+
+def test_the_trainer_builds_this_optimizer():
+    model, cfg = network(), solver_cfg()
+    assert hyperparameters(Trainer.build_optimizer(cfg, model)) == hyperparameters(build_optimizer(cfg, model))
