@@ -1,0 +1,56 @@
+"""``tools/convert_pretrained.py SRC DST --source {sn,torchvision,gn} [--norm {BN,SN,GN}] [--verbose]``.
+
+Prints the report (converted, initialised, skipped, mismatched, missing keys and the input convention
+the source needs) and writes DST only when every backbone tensor converted; on any problem it writes
+nothing, prints what is wrong and exits with status 2.
+"""
+
+import argparse
+import os
+import sys
+
+from .files import write_checkpoint
+from .report import ConversionError
+from .resnet import TARGET_NORMS
+from .sources import SOURCES, convert_file
+
+EXIT_FAILURE = 2
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="convert_pretrained.py",
+        description="Convert an ImageNet-pretrained ResNet into a detectron2 backbone checkpoint.",
+    )
+    parser.add_argument("src", metavar="SRC", help="the source checkpoint file")
+    parser.add_argument("dst", metavar="DST", help="the output: .pkl (detectron2 model-zoo format), .pth or .pt")
+    parser.add_argument("--source", required=True, choices=list(SOURCES), help="the format of SRC")
+    parser.add_argument(
+        "--norm",
+        type=str.upper,
+        choices=TARGET_NORMS,
+        help="the norm of the target backbone (default: the source's own; torchvision BN can also "
+        "initialise SN or GN)",
+    )
+    parser.add_argument("--verbose", action="store_true", help="list every key in the report")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        state, report = convert_file(args.source, args.src, args.norm)
+        write_checkpoint(
+            state, args.dst, author=f"sn_detection.checkpoint ({args.source}: {os.path.basename(args.src)})"
+        )
+    except ConversionError as error:
+        if error.report is not None:
+            print(error.report.format(args.verbose), file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_FAILURE
+    except OSError as error:  # reading or writing failed; nothing was written
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(report.format(args.verbose))
+    print(f"wrote {args.dst}")
+    return 0

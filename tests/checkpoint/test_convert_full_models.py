@@ -1,0 +1,81 @@
+"""Converted files load into full detectron2 models built by its stock builders and model-zoo configs:
+every backbone key (FPN: backbone.bottom_up.*; C4: backbone.* and roi_heads.res5.*) gets its value
+from the file through DetectionCheckpointer's name matching, and nothing in the file goes unused."""
+
+import pytest
+from detectron2 import model_zoo
+from detectron2.modeling import build_model
+from resnet_sources import assert_loaded, load_with_checkpointer, read_converted
+from torch import nn
+
+from sn_detection.checkpoint import INPUT_CONVENTIONS, convert_file, write_checkpoint
+
+MASK_RCNN_FPN = "COCO-InstanceSegmentation/mask_rcnn_R_50_FPN_1x.yaml"
+FASTER_RCNN_C4 = "COCO-Detection/faster_rcnn_R_50_C4_1x.yaml"
+MASK_RCNN_FPN_GN = "Misc/mask_rcnn_R_50_FPN_3x_gn.yaml"
+
+
+@pytest.fixture(scope="module")
+def torchvision_converted(bn_file, tmp_path_factory):
+    state, _ = convert_file("torchvision", str(bn_file))
+    path = tmp_path_factory.mktemp("full_tv") / "r50.pkl"
+    write_checkpoint(state, str(path), author="test")
+    return path
+
+
+@pytest.fixture(scope="module")
+def gn_converted(gn_file, tmp_path_factory):
+    state, _ = convert_file("gn", str(gn_file))
+    path = tmp_path_factory.mktemp("full_gn") / "r50_gn.pkl"
+    write_checkpoint(state, str(path), author="test")
+    return path
+
+
+def build(config: str, source: str, norm: str | None = None):
+    cfg = model_zoo.get_config(config)
+    cfg.merge_from_list(["MODEL.DEVICE", "cpu", "MODEL.WEIGHTS", ""])
+    cfg.merge_from_list(INPUT_CONVENTIONS[source].config_overrides())
+    if norm:
+        cfg.merge_from_list(["MODEL.RESNETS.NORM", norm])
+    return build_model(cfg)
+
+
+def assert_no_backbone_warning(warnings: list[str], markers: tuple[str, ...]):
+    for message in warnings:
+        assert "not used by the model" not in message, message
+        assert "Skip loading" not in message and "Shape of" not in message, message
+        assert not any(marker in line for line in message.splitlines() for marker in markers), message
+
+
+def test_mask_rcnn_fpn_frozen_bn(torchvision_converted):
+    model = build(MASK_RCNN_FPN, "torchvision")
+    warnings = load_with_checkpointer(model, torchvision_converted)
+    assert_loaded(model, read_converted(torchvision_converted), prefixes=("backbone.bottom_up.",))
+    assert_no_backbone_warning(warnings, ("bottom_up",))
+
+
+def test_faster_rcnn_c4_frozen_bn(torchvision_converted):
+    model = build(FASTER_RCNN_C4, "torchvision")
+    warnings = load_with_checkpointer(model, torchvision_converted)
+    assert_loaded(model, read_converted(torchvision_converted), prefixes=("backbone.", "roi_heads.res5."))
+    assert_no_backbone_warning(warnings, ("backbone.", "roi_heads.res5"))
+
+
+def test_mask_rcnn_fpn_trainable_bn_lacks_only_the_counter(torchvision_converted):
+    """A BN (not FrozenBN) backbone gets everything but num_batches_tracked, a counter left at 0."""
+    model = build(MASK_RCNN_FPN, "torchvision", norm="BN")
+    warnings = load_with_checkpointer(model, torchvision_converted)
+    assert_loaded(
+        model, read_converted(torchvision_converted), ("backbone.bottom_up.",), ignore=("num_batches_tracked",)
+    )
+    backbone_lines = [line for message in warnings for line in message.splitlines() if "bottom_up" in line]
+    assert backbone_lines and all("num_batches_tracked" in line for line in backbone_lines)
+
+
+def test_mask_rcnn_fpn_gn(gn_converted):
+    model = build(MASK_RCNN_FPN_GN, "gn")
+    warnings = load_with_checkpointer(model, gn_converted)
+    assert_loaded(model, read_converted(gn_converted), prefixes=("backbone.bottom_up.",))
+    assert_no_backbone_warning(warnings, ("bottom_up",))
+    # the GN heads and FPN have "norm" modules too; none was matched by a backbone key
+    assert isinstance(model.backbone.fpn_lateral2.norm, nn.GroupNorm)
