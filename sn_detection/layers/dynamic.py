@@ -274,9 +274,11 @@ class DynamicNorm2d(FreezableNorm, nn.Module):
     def finish_batch_average(self) -> None:
         """Write the statistics of all batches seen since `start_batch_average()` into the running
         buffers, as if those batches had been one batch."""
-        if self._average_sums is None:
+        # leave averaging mode first, so that a failed finish does not leave the layer stuck in it
+        sums, self._average_sums = self._average_sums, None
+        if sums is None:
             raise RuntimeError("finish_batch_average() called without start_batch_average()")
-        count, mean_sum, square_sum = self._average_sums
+        count, mean_sum, square_sum = sums
         if count == 0:
             raise RuntimeError(
                 "finish_batch_average(): no non-empty training-mode batch was seen since "
@@ -286,7 +288,6 @@ class DynamicNorm2d(FreezableNorm, nn.Module):
         var = (square_sum / count - mean.square()).clamp_min(0)
         self.running_mean.copy_(mean)
         self.running_var.copy_(var)
-        self._average_sums = None
 
     def extra_repr(self) -> str:
         return f"{self.num_channels}, eps={self.eps}, momentum={self.momentum}, grouping={self.selected_grouping()}"

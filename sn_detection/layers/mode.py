@@ -162,9 +162,11 @@ class ModeNorm2d(FreezableNorm, nn.Module):
     def finish_batch_average(self) -> None:
         """Write the per-mode estimates of all batches seen since `start_batch_average()` into the
         running buffers, as if those batches had been one batch."""
-        if self._average_sums is None:
+        # leave averaging mode first, so that a failed finish does not leave the layer stuck in it
+        sums, self._average_sums = self._average_sums, None
+        if sums is None:
             raise RuntimeError("finish_batch_average() called without start_batch_average()")
-        pixel_weight, mean_sum, sq_sum = self._average_sums
+        pixel_weight, mean_sum, sq_sum = sums
         if not pixel_weight.any():
             raise RuntimeError(
                 "finish_batch_average(): no non-empty training-mode batch was seen since "
@@ -173,7 +175,6 @@ class ModeNorm2d(FreezableNorm, nn.Module):
         pixel_weight = pixel_weight.clamp_min(_MIN_MODE_WEIGHT)[:, None]
         self.running_mean.copy_(mean_sum / pixel_weight)
         self.running_sq_mean.copy_(sq_sum / pixel_weight)
-        self._average_sums = None
 
     def extra_repr(self) -> str:
         return f"{self.num_channels}, num_modes={self.num_modes}, eps={self.eps}, momentum={self.momentum}"

@@ -124,3 +124,17 @@ def test_backward_gives_finite_gradients(name):
     assert x.grad.isfinite().all()
     for parameter_name, parameter in layer.named_parameters():
         assert parameter.grad is not None and parameter.grad.isfinite().all(), parameter_name
+
+
+def test_failed_batch_average_returns_to_the_moving_average(name):
+    """finish_batch_average() with no batch seen raises, and the layer is not left averaging."""
+    layer = make(name).train()
+    if not hasattr(layer, "start_batch_average") or not list(layer.buffers()):
+        pytest.skip(f"{name} has no batch-dependent test statistics")
+    layer.start_batch_average()
+    with pytest.raises(RuntimeError, match="batch"):
+        layer.finish_batch_average()
+    before = buffers(layer)
+    layer(features(2))
+    changed = [key for key, value in buffers(layer).items() if not torch.equal(value, before[key])]
+    assert changed, "a training forward after the failed finish should update the moving average"
