@@ -14,6 +14,7 @@ from detectron2.evaluation import COCOEvaluator
 from detectron2.utils import comm
 
 from .. import d2
+from ..d2.hooks import build_batch_average_hook, insert_before_evaluation
 
 RESULTS_FILE = "eval_results.json"
 
@@ -30,6 +31,10 @@ class Trainer(DefaultTrainer):
     @classmethod
     def build_optimizer(cls, cfg, model):
         return d2.build_optimizer(cfg, model)
+
+    def build_hooks(self):
+        hook = build_batch_average_hook(self.cfg, self.model, self.build_train_loader)
+        return insert_before_evaluation(super().build_hooks(), hook)
 
     @classmethod
     def build_evaluator(cls, cfg, dataset_name, output_folder=None):
