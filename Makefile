@@ -9,7 +9,7 @@ env:
 
 demo:
 	py=$$(tools/setup_env.sh)
-	$$py tools/train_net.py --config-file configs/demo_mask_rcnn_gn.yaml
+	$$py tools/train_net.py --config-file configs/demo_mask_rcnn_sn.yaml
 
 test:
 	py=$$(tools/setup_env.sh)

@@ -1,0 +1,111 @@
+"""The model-zoo catalog: lookup, its README, and agreement with the configs and the paper's tables."""
+
+import glob
+import os
+
+import pytest
+
+from sn_detection import model_zoo
+from sn_detection.model_zoo import CATALOG, PRETRAINED
+
+# The paper's Tables 3-5, (backbone, head) -> box AP (and mask AP for Table 5), as printed.
+TABLE_3 = {
+    ("BN†", "BN†"): 29.6, ("BN", "BN"): 19.3, ("GN", "GN"): 32.7, ("SN", "SN"): 33.0,
+    ("BN‡", "BN"): 20.0, ("GN‡", "GN"): 28.3, ("SN‡", "SN"): 29.5,
+}  # fmt: skip
+TABLE_4 = {("BN†", "–"): 36.7, ("BN†", "GN"): 37.2, ("BN†", "SN"): 38.0, ("GN", "GN"): 38.2, ("SN", "SN"): 39.3}
+TABLE_5 = {
+    ("BN†", "–"): (38.6, 34.2), ("BN†", "GN"): (39.5, 34.4), ("BN†", "SN"): (40.0, 34.8),
+    ("GN", "GN"): (40.2, 35.7), ("GN", "SN"): (40.4, 36.0), ("SN", "SN"): (41.0, 36.5),
+}  # fmt: skip
+ITERATIONS = {"1x": 90000, "2x": 180000, "3x": 270000}
+
+
+def config_names_on_disk():
+    paths = glob.glob(os.path.join(model_zoo.CONFIG_DIR, "*.yaml"))
+    return {os.path.basename(p)[: -len(".yaml")] for p in paths}
+
+
+def test_lookup_by_name():
+    path = model_zoo.get_config_file("mask_rcnn_sn_2x")
+    assert path == os.path.join(model_zoo.CONFIG_DIR, "mask_rcnn_sn_2x.yaml") and os.path.isfile(path)
+    cfg = model_zoo.get_config("mask_rcnn_sn_2x")
+    assert cfg.MODEL.RESNETS.NORM == "SN" and cfg.MODEL.MASK_ON and cfg.TEST.BATCH_AVERAGE.ENABLED
+
+
+def test_an_unknown_name_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown model zoo config 'mask_rcnn_sn_3x'.*mask_rcnn_sn_2x"):
+        model_zoo.get_config_file("mask_rcnn_sn_3x")
+    with pytest.raises(ValueError, match="faster_rcnn_c4_sn_1x"):
+        model_zoo.get_config("configs/mask_rcnn_sn_2x.yaml")
+
+
+def test_every_catalog_config_exists_and_every_config_is_in_the_catalog():
+    on_disk = {name for name in config_names_on_disk() if not name.startswith("demo_")}
+    assert set(model_zoo.names()) == on_disk
+    assert len(model_zoo.names()) == len(CATALOG)  # no name twice
+
+
+def test_readme_agrees_with_the_catalog():
+    with open(model_zoo.README, encoding="utf-8") as f:
+        readme = f.read()
+    assert model_zoo.readme_table(readme) == model_zoo.catalog_table(), "run `python -m sn_detection.model_zoo`"
+
+
+def test_update_readme_rewrites_only_the_table(tmp_path):
+    path = tmp_path / "README.md"
+    path.write_text(f"intro\n{model_zoo.TABLE_START}\nstale\n{model_zoo.TABLE_END}\noutro\n", encoding="utf-8")
+    model_zoo.update_readme(str(path))
+    text = path.read_text(encoding="utf-8")
+    assert text.startswith("intro\n") and text.endswith(f"{model_zoo.TABLE_END}\noutro\n")
+    assert model_zoo.readme_table(text) == model_zoo.catalog_table()
+
+
+def test_the_paper_rows_and_their_ap():
+    reported = {1: {}, 2: {}, 3: {}}
+    for entry in CATALOG:
+        if entry.box_ap is not None:
+            assert entry.labels() not in reported[entry.setting], entry.name
+            ap = entry.box_ap if entry.setting != 3 else (entry.box_ap, entry.mask_ap)
+            reported[entry.setting][entry.labels()] = ap
+    assert reported == {1: TABLE_3, 2: TABLE_4, 3: TABLE_5}
+
+
+@pytest.mark.parametrize("entry", CATALOG, ids=lambda entry: entry.name)
+def test_config_matches_its_entry(entry):
+    cfg = model_zoo.get_config(entry.name)
+    assert cfg.MODEL.RESNETS.NORM == entry.backbone
+    if entry.setting == 1:
+        assert cfg.MODEL.ROI_HEADS.NAME == "Res5ROIHeads" and entry.head == entry.backbone
+    else:
+        assert cfg.MODEL.ROI_HEADS.NAME == "StandardROIHeads"
+        head_norms = [cfg.MODEL.FPN.NORM, cfg.MODEL.ROI_BOX_HEAD.NORM]
+        head_norms += [cfg.MODEL.ROI_MASK_HEAD.NORM] if entry.setting == 3 else []
+        assert head_norms == [entry.head] * len(head_norms)
+        # the normalized heads are the 4conv1fc box head; the "–" baselines, Detectron's 2fc head
+        assert (cfg.MODEL.ROI_BOX_HEAD.NUM_CONV, cfg.MODEL.ROI_BOX_HEAD.NUM_FC) == ((4, 1) if entry.head else (0, 2))
+    assert cfg.MODEL.MASK_ON == (entry.setting == 3)
+    assert cfg.SOLVER.MAX_ITER == ITERATIONS[entry.schedule]
+    assert cfg.OUTPUT_DIR == f"output/{entry.name}"
+
+
+@pytest.mark.parametrize("entry", CATALOG, ids=lambda entry: entry.name)
+def test_config_uses_the_weights_and_input_convention_of_its_backbone(entry):
+    cfg = model_zoo.get_config(entry.name)
+    source = PRETRAINED[entry.pretrained]
+    assert cfg.MODEL.WEIGHTS == source.weights
+    convention = source.convention
+    assert tuple(cfg.MODEL.PIXEL_MEAN) == pytest.approx(convention.pixel_mean)
+    assert tuple(cfg.MODEL.PIXEL_STD) == pytest.approx(convention.pixel_std)
+    assert cfg.MODEL.RESNETS.STRIDE_IN_1X1 == convention.stride_in_1x1
+    assert cfg.INPUT.FORMAT == convention.input_format
+    assert cfg.MODEL.BACKBONE.FREEZE_AT == (0 if entry.scratch else 2)
+
+
+def test_frozen_bn_rows_start_from_weights_with_bn_statistics_or_msra():
+    """BN† settings 2-3: Detectron's MSRA R-50; setting 1's BN† and BN: the same torchvision weights."""
+    for entry in CATALOG:
+        if entry.backbone == "FrozenBN":
+            assert entry.pretrained == ("torchvision" if entry.setting == 1 else "msra"), entry.name
+        if entry.backbone == "BN" and not entry.scratch:
+            assert entry.pretrained == "torchvision", entry.name
