@@ -8,7 +8,10 @@ from detectron2.modeling import build_model
 from resnet_sources import assert_loaded, load_with_checkpointer, read_converted
 from torch import nn
 
+from sn_detection import d2
+from sn_detection import model_zoo as sn_model_zoo
 from sn_detection.checkpoint import INPUT_CONVENTIONS, convert_file, write_checkpoint
+from sn_detection.layers import SwitchableNorm2d
 
 MASK_RCNN_FPN = "COCO-InstanceSegmentation/mask_rcnn_R_50_FPN_1x.yaml"
 FASTER_RCNN_C4 = "COCO-Detection/faster_rcnn_R_50_C4_1x.yaml"
@@ -79,3 +82,23 @@ def test_mask_rcnn_fpn_gn(gn_converted):
     assert_no_backbone_warning(warnings, ("bottom_up",))
     # the GN heads and FPN have "norm" modules too; none was matched by a backbone key
     assert isinstance(model.backbone.fpn_lateral2.norm, nn.GroupNorm)
+
+
+@pytest.fixture(scope="module")
+def sn_converted(sn_file, tmp_path_factory):
+    state, _ = convert_file("sn", str(sn_file))
+    path = tmp_path_factory.mktemp("full_sn") / "r50_sn.pkl"
+    write_checkpoint(state, str(path), author="test")
+    return path
+
+
+def test_mask_rcnn_sn_2x_config(sn_converted):
+    """The paper's SN/SN Mask R-CNN config, with MODEL.RESNETS.NORM "SN" resolved by our registration,
+    takes every backbone tensor of the converted SN file, running statistics and logits included."""
+    cfg = sn_model_zoo.get_config("mask_rcnn_sn_2x")
+    cfg.merge_from_list(["MODEL.DEVICE", "cpu", "MODEL.WEIGHTS", ""])
+    model = d2.build_model(cfg)
+    warnings = load_with_checkpointer(model, sn_converted)
+    assert_loaded(model, read_converted(sn_converted), prefixes=("backbone.bottom_up.",))
+    assert_no_backbone_warning(warnings, ("bottom_up",))
+    assert isinstance(model.backbone.bottom_up.res3[0].conv2.norm, SwitchableNorm2d)
