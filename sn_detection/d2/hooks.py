@@ -53,6 +53,8 @@ from detectron2.utils.events import EventStorage
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..layers.statistics import stat_dtype
+
 logger = logging.getLogger(__name__)
 
 
@@ -134,7 +136,7 @@ class _BatchNormAverage:
         if x.numel() == 0:
             return
         dims = [0, *range(2, x.dim())]
-        var, mean = torch.var_mean(x.detach().to(torch.promote_types(x.dtype, torch.float32)), dim=dims, correction=0)
+        var, mean = torch.var_mean(x.detach().to(stat_dtype(x)), dim=dims, correction=0)
         count = x.numel() // x.shape[1]
         mean, var = mean.double(), var.double()
         self._count += count

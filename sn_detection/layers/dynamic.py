@@ -70,6 +70,7 @@ import torch
 from torch import Tensor, nn
 
 from .freezing import FreezableNorm
+from .statistics import stat_dtype
 
 # Magnitude of the initial gate logits: the sign is the initial gate; an optimizer step has to move a
 # logit by this much before its gate flips.
@@ -220,7 +221,7 @@ class DynamicNorm2d(FreezableNorm, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.num_channels)
-        dtype = torch.promote_types(x.dtype, torch.float32)
+        dtype = stat_dtype(x)
         with torch.autocast(device_type=x.device.type, enabled=False):
             x_stats = x.to(dtype)
             var, mean = _instance_moments(x_stats)

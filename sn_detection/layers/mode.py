@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .freezing import FreezableNorm
+from .statistics import stat_dtype
 
 # Floor for a mode's total gate weight N_k (in samples) or C_k (in channels).
 _MIN_MODE_WEIGHT = 1e-6
@@ -112,7 +113,7 @@ class ModeNorm2d(FreezableNorm, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.num_channels)
-        dtype = torch.promote_types(x.dtype, torch.float32)
+        dtype = stat_dtype(x)
         with torch.autocast(device_type=x.device.type, enabled=False):
             x_stats = x.to(dtype)
             var, mean = _instance_moments(x_stats)
@@ -201,7 +202,7 @@ class ModeGroupNorm2d(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.num_channels)
-        dtype = torch.promote_types(x.dtype, torch.float32)
+        dtype = stat_dtype(x)
         with torch.autocast(device_type=x.device.type, enabled=False):
             x_stats = x.to(dtype)
             var, mean = _instance_moments(x_stats)

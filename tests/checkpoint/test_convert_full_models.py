@@ -18,20 +18,21 @@ FASTER_RCNN_C4 = "COCO-Detection/faster_rcnn_R_50_C4_1x.yaml"
 MASK_RCNN_FPN_GN = "Misc/mask_rcnn_R_50_FPN_3x_gn.yaml"
 
 
-@pytest.fixture(scope="module")
-def torchvision_converted(bn_file, tmp_path_factory):
-    state, _ = convert_file("torchvision", str(bn_file))
-    path = tmp_path_factory.mktemp("full_tv") / "r50.pkl"
+def converted_file(source: str, source_file, path):
+    """source_file converted from ``source`` and written to path, as the tool would."""
+    state, _ = convert_file(source, str(source_file))
     write_checkpoint(state, str(path), author="test")
     return path
+
+
+@pytest.fixture(scope="module")
+def torchvision_converted(bn_file, tmp_path_factory):
+    return converted_file("torchvision", bn_file, tmp_path_factory.mktemp("full_tv") / "r50.pkl")
 
 
 @pytest.fixture(scope="module")
 def gn_converted(gn_file, tmp_path_factory):
-    state, _ = convert_file("gn", str(gn_file))
-    path = tmp_path_factory.mktemp("full_gn") / "r50_gn.pkl"
-    write_checkpoint(state, str(path), author="test")
-    return path
+    return converted_file("gn", gn_file, tmp_path_factory.mktemp("full_gn") / "r50_gn.pkl")
 
 
 def build(config: str, source: str, norm: str | None = None):
@@ -86,10 +87,7 @@ def test_mask_rcnn_fpn_gn(gn_converted):
 
 @pytest.fixture(scope="module")
 def sn_converted(sn_file, tmp_path_factory):
-    state, _ = convert_file("sn", str(sn_file))
-    path = tmp_path_factory.mktemp("full_sn") / "r50_sn.pkl"
-    write_checkpoint(state, str(path), author="test")
-    return path
+    return converted_file("sn", sn_file, tmp_path_factory.mktemp("full_sn") / "r50_sn.pkl")
 
 
 def test_mask_rcnn_sn_2x_config(sn_converted):
