@@ -18,9 +18,12 @@ Memory is what one forward + backward costs beyond its input and upstream gradie
   once) plus the output. Short-lived temporaries are not seen. The input is counted, since every layer
   saves it, so a ratio of 1.0 means "nothing beyond what GroupNorm keeps".
 
-Ratios are relative to ``torch.nn.GroupNorm(32, C)`` on the same shape and device. On a shared machine
-``--threads 1`` gives steadier CPU ratios: with several threads every small (N, C)-sized op opens a
-parallel region, which costs milliseconds when another process holds a core.
+Ratios are relative to ``torch.nn.GroupNorm(32, C)`` on the same shape and device, and, for the
+learned norms, to "SN multi-op": Switchable Norm as users had it before, statistics by separate
+reductions and autograd through every op (the original code's structure). Candidates are timed in
+interleaved rounds, so that a load change on a shared machine hits all of them alike. On a shared
+machine ``--threads 1`` gives steadier CPU ratios: with several threads every small (N, C)-sized op
+opens a parallel region, which costs milliseconds when another process holds a core.
 """
 
 import argparse
@@ -38,12 +41,43 @@ SHAPES = {
     "small": [(2, 64, 50, 84), (64, 64, 14, 14), (2, 32, 100, 168)],
 }
 REFERENCE = "torch GN(32)"
+MULTI_OP = "SN multi-op"
+
+
+class MultiOpSwitchableNorm(nn.Module):
+    """SN the straightforward way: IN, LN and BN statistics by separate reductions, autograd everywhere."""
+
+    def __init__(self, num_channels, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(1, num_channels, 1))
+        self.bias = nn.Parameter(torch.zeros(1, num_channels, 1))
+        self.mean_weight = nn.Parameter(torch.ones(3))
+        self.var_weight = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        n, c, h, w = x.shape
+        flat = x.view(n, c, -1)
+        mean_in = flat.mean(-1, keepdim=True)
+        var_in = flat.var(-1, keepdim=True, unbiased=False)
+        second_moment = var_in + mean_in**2
+        mean_ln = mean_in.mean(1, keepdim=True)
+        var_ln = second_moment.mean(1, keepdim=True) - mean_ln**2
+        mean_bn = mean_in.mean(0, keepdim=True)
+        var_bn = second_moment.mean(0, keepdim=True) - mean_bn**2
+        mw = torch.softmax(self.mean_weight, 0)
+        vw = torch.softmax(self.var_weight, 0)
+        mean = mw[0] * mean_in + mw[1] * mean_ln + mw[2] * mean_bn
+        var = vw[0] * var_in + vw[1] * var_ln + vw[2] * var_bn
+        normalized = (flat - mean) / (var + self.eps).sqrt()
+        return (normalized * self.weight + self.bias).view(n, c, h, w)
 
 
 def candidates(num_channels):
-    """(label, layer) pairs: torch's references first, then every registered norm with its defaults."""
+    """(label, layer) pairs: torch's references and the multi-op SN first, then every registered norm."""
     yield REFERENCE, nn.GroupNorm(32, num_channels)
     yield "torch BN", nn.BatchNorm2d(num_channels)
+    yield MULTI_OP, MultiOpSwitchableNorm(num_channels)
     for name in NORM_NAMES:
         yield name, build_norm(name, num_channels)
 
@@ -59,17 +93,18 @@ def step(layer, x, grad_y):
     layer.zero_grad(set_to_none=True)
 
 
-def median_seconds(layer, x, grad_y, repeats):
-    for _ in range(2):
-        step(layer, x, grad_y)
-    times = []
-    for _ in range(repeats):
-        synchronize(x.device)
-        start = time.perf_counter()
-        step(layer, x, grad_y)
-        synchronize(x.device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def median_seconds(layers, x, grad_y, repeats):
+    """Median time of one forward + backward per layer, over ``repeats`` interleaved rounds."""
+    times = {label: [] for label in layers}
+    for round_index in range(repeats + 2):
+        for label, layer in layers.items():
+            synchronize(x.device)
+            start = time.perf_counter()
+            step(layer, x, grad_y)
+            synchronize(x.device)
+            if round_index >= 2:  # two warm-up rounds
+                times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(values) for label, values in times.items()}
 
 
 def kept_bytes(layer, x):
@@ -100,28 +135,36 @@ def measure(device, shape, repeats):
     generator = torch.Generator(device).manual_seed(0)
     x = torch.randn(shape, device=device, generator=generator).requires_grad_()
     grad_y = torch.randn(shape, device=device, generator=generator)
+    layers = {label: layer.to(device).train() for label, layer in candidates(shape[1])}
+    seconds = median_seconds(layers, x, grad_y, repeats)
     rows = []
-    for label, layer in candidates(shape[1]):
-        layer = layer.to(device).train()
-        seconds = median_seconds(layer, x, grad_y, repeats)
+    for label, layer in layers.items():
         memory = peak_cuda_bytes(layer, x, grad_y) if device.type == "cuda" else kept_bytes(layer, x)
-        rows.append({"device": device.type, "shape": list(shape), "layer": label, "seconds": seconds, "bytes": memory})
-    reference = rows[0]
+        rows.append({"device": device.type, "shape": list(shape), "layer": label, "seconds": seconds[label], "bytes": memory})
+    by_label = {row["layer"]: row for row in rows}
     for row in rows:
-        row["time_vs_gn"] = row["seconds"] / reference["seconds"]
-        row["memory_vs_gn"] = row["bytes"] / reference["bytes"]
+        for suffix, reference in (("gn", by_label[REFERENCE]), ("multi_op", by_label[MULTI_OP])):
+            row[f"time_vs_{suffix}"] = row["seconds"] / reference["seconds"]
+            row[f"memory_vs_{suffix}"] = row["bytes"] / reference["bytes"]
+    if device.type == "cuda":
+        for row in rows:
+            row["gpu"] = torch.cuda.get_device_name(device)
     return rows
 
 
 def print_table(rows):
-    header = f"{'device':6} {'shape':20} {'layer':13} {'fwd+bwd ms':>10} {'x GN':>6} {'memory MiB':>10} {'x GN':>6}"
+    header = (
+        f"{'device':6} {'shape':20} {'layer':13} {'fwd+bwd ms':>10} {'x GN':>6} {'memory MiB':>10} {'x GN':>6} "
+        f"{'time x multi-op':>15} {'mem x multi-op':>14}"
+    )
     print(header)
     print("-" * len(header))
     for row in rows:
         shape = "x".join(map(str, row["shape"]))
         print(
             f"{row['device']:6} {shape:20} {row['layer']:13} {1e3 * row['seconds']:10.1f} "
-            f"{row['time_vs_gn']:6.2f} {row['bytes'] / 2**20:10.1f} {row['memory_vs_gn']:6.2f}"
+            f"{row['time_vs_gn']:6.2f} {row['bytes'] / 2**20:10.1f} {row['memory_vs_gn']:6.2f} "
+            f"{row['time_vs_multi_op']:15.2f} {row['memory_vs_multi_op']:14.2f}"
         )
 
 
@@ -137,11 +180,13 @@ def main():
 
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
+    if torch.cuda.is_available():
+        print(f"CUDA device: {torch.cuda.get_device_name()}")
     rows = []
     for device in devices:
         for shape in SHAPES[args.shapes]:
             rows += measure(device, shape, args.repeats)
-            print_table(rows[-len(NORM_NAMES) - 2 :])
+            print_table(rows[-len(NORM_NAMES) - 3 :])
             print()
     if args.json:
         with open(args.json, "w") as f:

@@ -63,6 +63,7 @@ Choices the poster leaves open, and how they are settled here:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -70,7 +71,7 @@ import torch
 from torch import Tensor, nn
 
 from .freezing import FreezableNorm
-from .statistics import stat_dtype
+from .statistics import affine_from_moments, normalize_by_moments, plain_moments, plain_scale_shift
 
 # Magnitude of the initial gate logits: the sign is the initial gate; an optimizer step has to move a
 # logit by this much before its gate flips.
@@ -109,14 +110,6 @@ def _pooled_moments(mean: Tensor, var: Tensor, dim: int):
     return pooled_mean, var.mean(dim, keepdim=True) + spread
 
 
-def _instance_moments(x: Tensor):
-    """Biased variance and mean over H, W for each (n, c)."""
-    if x.numel() == 0:
-        empty = x.new_zeros(x.shape[:2])
-        return empty, empty
-    return torch.var_mean(x, dim=(2, 3), correction=0)
-
-
 def _split_odd_factor(num_channels: int):
     """(k, r) with num_channels = 2^k * r and r odd."""
     levels = (num_channels & -num_channels).bit_length() - 1
@@ -148,7 +141,7 @@ def _check_options(num_channels, eps, momentum, init_groups, init_batch_pool) ->
 
 def _check_input(x: Tensor, num_channels: int) -> None:
     if x.dim() != 4 or x.shape[1] != num_channels:
-        raise ValueError(f"expected input of shape (N, {num_channels}, H, W), got {tuple(x.shape)}")
+        raise ValueError(f"expected input of shape (N, {num_channels}, H, W), got {list(x.shape)}")
 
 
 class DynamicNorm2d(FreezableNorm, nn.Module):
@@ -181,7 +174,7 @@ class DynamicNorm2d(FreezableNorm, nn.Module):
         levels, odd = _split_odd_factor(num_channels)
         # Channel sub-axes of the (M, 2, ..., 2, r) view of an (M, C) tensor, finest factor first:
         # dimension levels + 1 is r, dimension levels - j is bit j of the channel's power-of-two part.
-        self._subaxis_shape = (2,) * levels + (odd,)
+        self._subaxis_shape = [2] * levels + [odd]
         self._gated_dims = ([levels + 1] if odd > 1 else []) + [levels - j for j in range(levels)]
         self._gated_sizes = ([odd] if odd > 1 else []) + [2] * levels
 
@@ -221,16 +214,18 @@ class DynamicNorm2d(FreezableNorm, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.num_channels)
-        dtype = stat_dtype(x)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            x_stats = x.to(dtype)
-            var, mean = _instance_moments(x_stats)
-            mean, var = self._pool_batch(mean, var, pixels=x.shape[2] * x.shape[3])
-            mean, var = self._pool_channels(mean, var)
-            scale = self.weight.to(dtype) * torch.rsqrt(var + self.eps)
-            shift = self.bias.to(dtype) - mean * scale
-            out = torch.addcmul(shift[:, :, None, None], x_stats, scale[:, :, None, None])
-        return out.to(x.dtype)
+        if torch.jit.is_scripting():  # plain operations, see statistics.plain_moments
+            mean, var = plain_moments(x)
+            return plain_scale_shift(x, *self.scale_and_shift(mean, var, x.shape[2] * x.shape[3]))
+        affine = functools.partial(self.scale_and_shift, spatial_size=x.shape[2] * x.shape[3])
+        return normalize_by_moments(x, affine, tuple(self.parameters()))
+
+    def scale_and_shift(self, mean: Tensor, var: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
+        """The per-(n, c) scale and shift this layer applies, y = x * scale + shift, from the IN mean and
+        variance (N, C) of an input with ``spatial_size`` = H * W; updates the running statistics in training."""
+        mean, var = self._pool_batch(mean, var, spatial_size)
+        mean, var = self._pool_channels(mean, var)
+        return affine_from_moments(self.weight.to(mean.dtype), self.bias.to(mean.dtype), mean, var, self.eps)
 
     def _pool_batch(self, mean: Tensor, var: Tensor, pixels: int):
         """Apply U: mix each sample's moments with the batch's (training; the batch's moments also go
@@ -238,7 +233,8 @@ class DynamicNorm2d(FreezableNorm, nn.Module):
         count = mean.shape[0] * pixels
         if self.training and count > 0:
             target_mean, target_var = _pooled_moments(mean, var, dim=0)
-            self._record_batch(target_mean[0], target_var[0], count)
+            # detached: TorchScript ignores _record_batch's no_grad decorator
+            self._record_batch(target_mean[0].detach(), target_var[0].detach(), count)
         else:
             target_mean = self.running_mean.to(mean.dtype)
             target_var = self.running_var.to(mean.dtype)
@@ -248,8 +244,8 @@ class DynamicNorm2d(FreezableNorm, nn.Module):
     def _pool_channels(self, mean: Tensor, var: Tensor):
         """Apply V: one gated 2x2 (or r x r) averaging factor per channel sub-axis."""
         rows = mean.shape[0]
-        mean = mean.reshape(rows, *self._subaxis_shape)
-        var = var.reshape(rows, *self._subaxis_shape)
+        mean = mean.reshape([rows] + self._subaxis_shape)
+        var = var.reshape([rows] + self._subaxis_shape)
         gates = _straight_through_gate(self.channel_gates).to(mean.dtype)
         for gate, dim in zip(gates, self._gated_dims):
             target_mean, target_var = _pooled_moments(mean, var, dim)

@@ -30,8 +30,12 @@ Choices the paper leaves open, and how they are settled here:
   gate-weighted mean of var + (mean - <x>_k)^2 over the (n, c) summaries, which never cancels two large
   second moments in fp32. The running estimates stay E[x] and E[x^2] as in the paper (Alg. 2), so the
   test-time variance keeps the paper's fp32 cancellation for a channel whose mean dwarfs its spread.
-* N_k and C_k are clamped at `_MIN_MODE_WEIGHT` so that a mode no sample (or channel) chooses gives
-  finite statistics and gradients; it then has almost no weight in the output anyway.
+* MN clamps N_k at `_MIN_MODE_WEIGHT` so that a mode no sample chooses gives finite statistics and
+  gradients; it then has almost no weight in the output anyway. MGN cannot do that: its K maps have
+  equal weight, and a mode whose gates all underflow to 0 (large channel means make the gate logits
+  huge) would get statistics (0, 0) and the map x / sqrt(eps), which overflows fp16. So MGN computes
+  each channel's share of a mode, g_ck / C_k, as a softmax over channels of log g_ck: the same value
+  whenever C_k > 0, and always normalized.
 * Cost: statistics are computed once per (n, c) in fp32 (in the input's dtype if that is wider); the
   mixture over modes folds into one per-(n, c) scale and shift, so the activation is read twice and
   written once whatever K is (plus one fp32 copy for fp16/bf16 input; the output is cast back).
@@ -45,6 +49,7 @@ Choices the paper leaves open, and how they are settled here:
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -52,18 +57,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .freezing import FreezableNorm
-from .statistics import stat_dtype
+from .statistics import normalize_by_moments, plain_moments, plain_scale_shift
 
-# Floor for a mode's total gate weight N_k (in samples) or C_k (in channels).
+# Floor for MN's total gate weight of a mode, N_k (in samples).
 _MIN_MODE_WEIGHT = 1e-6
-
-
-def _instance_moments(x: Tensor):
-    """Biased variance and mean over H, W for each (n, c)."""
-    if x.numel() == 0:
-        empty = x.new_zeros(x.shape[:2])
-        return empty, empty
-    return torch.var_mean(x, dim=(2, 3), correction=0)
 
 
 def _check_options(num_channels, num_modes, eps) -> None:
@@ -76,12 +73,7 @@ def _check_options(num_channels, num_modes, eps) -> None:
 
 def _check_input(x: Tensor, num_channels: int) -> None:
     if x.dim() != 4 or x.shape[1] != num_channels:
-        raise ValueError(f"expected input of shape (N, {num_channels}, H, W), got {tuple(x.shape)}")
-
-
-def _apply_scale_shift(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
-    """x * scale + shift with per-(n, c) scale and shift, in one pass."""
-    return torch.addcmul(shift[:, :, None, None], x, scale[:, :, None, None])
+        raise ValueError(f"expected input of shape (N, {num_channels}, H, W), got {list(x.shape)}")
 
 
 class ModeNorm2d(FreezableNorm, nn.Module):
@@ -113,29 +105,36 @@ class ModeNorm2d(FreezableNorm, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.num_channels)
-        dtype = stat_dtype(x)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            x_stats = x.to(dtype)
-            var, mean = _instance_moments(x_stats)
-            gates = torch.softmax(F.linear(mean, self.gate.weight.to(dtype), self.gate.bias.to(dtype)), dim=1)
-            if self.training and x.numel() > 0:
-                mode_mean, mode_var, mode_weight = self._batch_estimates(gates, mean, var)
-                self._record_batch(mode_weight * (x.shape[2] * x.shape[3]), mode_mean, mode_var)
-            else:
-                mode_mean = self.running_mean.to(dtype)
-                mode_var = (self.running_sq_mean.to(dtype) - mode_mean.square()).clamp_min(0)
-            # The per-sample mixture over modes folds into one scale and shift per (n, c).
-            inv_std = torch.rsqrt(mode_var + self.eps)
-            weight = self.weight.to(dtype)
-            scale = weight * (gates @ inv_std)
-            shift = self.bias.to(dtype) - weight * (gates @ (mode_mean * inv_std))
-            out = _apply_scale_shift(x_stats, scale, shift)
-        return out.to(x.dtype)
+        if torch.jit.is_scripting():  # plain operations, see statistics.plain_moments
+            mean, var = plain_moments(x)
+            return plain_scale_shift(x, *self.scale_and_shift(mean, var, x.shape[2] * x.shape[3]))
+        affine = functools.partial(self.scale_and_shift, spatial_size=x.shape[2] * x.shape[3])
+        return normalize_by_moments(x, affine, tuple(self.parameters()))
+
+    def scale_and_shift(self, mean: Tensor, var: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
+        """The per-(n, c) scale and shift this layer applies, y = x * scale + shift, from the IN mean and
+        variance (N, C) of an input with ``spatial_size`` = H * W; updates the running statistics in training."""
+        dtype = mean.dtype
+        gates = torch.softmax(F.linear(mean, self.gate.weight.to(dtype), self.gate.bias.to(dtype)), dim=1)
+        if self.training and mean.shape[0] > 0:
+            mode_mean, mode_var, mode_weight = self._batch_estimates(gates, mean, var)
+            # detached: TorchScript ignores _record_batch's no_grad decorator
+            self._record_batch(mode_weight.detach() * spatial_size, mode_mean.detach(), mode_var.detach())
+        else:
+            mode_mean = self.running_mean.to(dtype)
+            mode_var = (self.running_sq_mean.to(dtype) - mode_mean.square()).clamp_min(0)
+        # The per-sample mixture over modes folds into one scale and shift per (n, c).
+        inv_std = torch.rsqrt(mode_var + self.eps)
+        weight = self.weight.to(dtype)
+        scale = weight * (gates @ inv_std)
+        shift = self.bias.to(dtype) - weight * (gates @ (mode_mean * inv_std))
+        return scale, shift
 
     @staticmethod
-    def _batch_estimates(gates: Tensor, mean: Tensor, var: Tensor):
+    def _batch_estimates(gates: Tensor, mean: Tensor, var: Tensor, min_weight: float = _MIN_MODE_WEIGHT):
         """Per-mode gate-weighted mean and variance over the batch (K, C), and N_k (K,)."""
-        mode_weight = gates.sum(0).clamp_min(_MIN_MODE_WEIGHT)
+        # min_weight: TorchScript reads no module-level float
+        mode_weight = gates.sum(0).clamp_min(min_weight)
         share = gates / mode_weight
         mode_mean = share.t() @ mean
         spread = (mean[:, None, :] - mode_mean).square()
@@ -202,25 +201,30 @@ class ModeGroupNorm2d(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.num_channels)
-        dtype = stat_dtype(x)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            x_stats = x.to(dtype)
-            var, mean = _instance_moments(x_stats)
-            logits = mean[:, :, None] * self.gate.weight.to(dtype)[:, 0] + self.gate.bias.to(dtype)
-            gates = torch.softmax(logits, dim=2)
-            mode_mean, mode_var = self._sample_estimates(gates, mean, var)
-            # Eq. 5: equal-weight average of the K normalized maps, folded into a scale and shift.
-            inv_std = torch.rsqrt(mode_var + self.eps)
-            weight = self.weight.to(dtype) / self.num_modes
-            scale = weight * inv_std.sum(1, keepdim=True)
-            shift = self.bias.to(dtype) - weight * (mode_mean * inv_std).sum(1, keepdim=True)
-            out = _apply_scale_shift(x_stats, scale, shift)
-        return out.to(x.dtype)
+        if torch.jit.is_scripting():  # plain operations, see statistics.plain_moments
+            mean, var = plain_moments(x)
+            return plain_scale_shift(x, *self.scale_and_shift(mean, var, x.shape[2] * x.shape[3]))
+        affine = functools.partial(self.scale_and_shift, spatial_size=x.shape[2] * x.shape[3])
+        return normalize_by_moments(x, affine, tuple(self.parameters()))
+
+    def scale_and_shift(self, mean: Tensor, var: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
+        """The per-(n, c) scale and shift this layer applies, y = x * scale + shift, from the IN mean and
+        variance (N, C); ``spatial_size`` (H * W) is unused: MGN has no batch statistics to pool."""
+        dtype = mean.dtype
+        logits = mean[:, :, None] * self.gate.weight.to(dtype)[:, 0] + self.gate.bias.to(dtype)
+        mode_mean, mode_var = self._sample_estimates(torch.log_softmax(logits, dim=2), mean, var)
+        # Eq. 5: equal-weight average of the K normalized maps, folded into a scale and shift.
+        inv_std = torch.rsqrt(mode_var + self.eps)
+        weight = self.weight.to(dtype) / self.num_modes
+        scale = weight * inv_std.sum(1, keepdim=True)
+        shift = self.bias.to(dtype) - weight * (mode_mean * inv_std).sum(1, keepdim=True)
+        return scale, shift
 
     @staticmethod
-    def _sample_estimates(gates: Tensor, mean: Tensor, var: Tensor):
-        """Per-sample, per-mode gate-weighted mean and variance over the channels, (N, K) each."""
-        share = gates / gates.sum(1, keepdim=True).clamp_min(_MIN_MODE_WEIGHT)
+    def _sample_estimates(log_gates: Tensor, mean: Tensor, var: Tensor):
+        """Per-sample, per-mode gate-weighted mean and variance over the channels, (N, K) each, from the
+        log-gates (N, C, K)."""
+        share = torch.softmax(log_gates, dim=1)  # g_ck / C_k, see the module docstring
         mode_mean = torch.einsum("nck,nc->nk", share, mean)
         spread = (mean[:, :, None] - mode_mean[:, None, :]).square()
         mode_var = torch.einsum("nck,nc->nk", share, var) + (share * spread).sum(1)

@@ -46,6 +46,8 @@ class _SignedPower(torch.autograd.Function):
 
 def signed_power(z: Tensor, p: float) -> Tensor:
     """The skewness correction phi_p of Eq. 6."""
+    if torch.jit.is_scripting():  # TorchScript compiles no autograd Function: the same values, autograd's gradient
+        return z.abs().pow(p).copysign(z)
     return _SignedPower.apply(z, p)
 
 

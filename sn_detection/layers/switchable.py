@@ -35,6 +35,8 @@ process stores the same statistics. Without an initialized process group (or wit
 layer is exactly ``SwitchableNorm2d``.
 """
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
@@ -44,11 +46,13 @@ from .freezing import FreezableNorm
 from .statistics import (
     MomentSums,
     RunningMoments,
+    affine_from_moments,
     batch_sums,
-    instance_moments,
     layer_moments,
     moments_from_sums,
-    normalize,
+    normalize_by_moments,
+    plain_moments,
+    plain_scale_shift,
 )
 
 
@@ -73,16 +77,24 @@ class SwitchableNorm2d(FreezableNorm, RunningMoments, nn.Module):
         return f"{self.num_channels}, eps={self.eps}, momentum={self.momentum}, use_bn={self.use_bn}"
 
     def forward(self, x: Tensor) -> Tensor:
-        mean_in, var_in = instance_moments(x)
+        if torch.jit.is_scripting():  # plain operations, see statistics.plain_moments
+            mean, var = plain_moments(x)
+            return plain_scale_shift(x, *self.scale_and_shift(mean, var, x.shape[2] * x.shape[3]))
+        affine = functools.partial(self.scale_and_shift, spatial_size=x.shape[2] * x.shape[3])
+        return normalize_by_moments(x, affine, tuple(self.parameters()))
+
+    def scale_and_shift(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
+        """The per-(n, c) scale and shift this layer applies, y = x * scale + shift, from the IN mean and
+        variance (N, C) of an input with ``spatial_size`` = H * W; updates the running statistics in training."""
         mean_ln, var_ln = layer_moments(mean_in, var_in)
         means, variances = [mean_in, mean_ln], [var_in, var_ln]
         if self.use_bn:
-            mean_bn, var_bn = self._batch_branch(mean_in, var_in, x.shape[2] * x.shape[3])
+            mean_bn, var_bn = self._batch_branch(mean_in, var_in, spatial_size)
             means.append(mean_bn)
             variances.append(var_bn)
         mean = _mix(self.mean_weight, means)
         var = _mix(self.var_weight, variances)
-        return normalize(x, mean, var, self.weight, self.bias, self.eps)
+        return affine_from_moments(self.weight, self.bias, mean, var, self.eps)
 
     def _batch_branch(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         if not self.training:
@@ -108,6 +120,11 @@ class SyncSwitchableNorm2d(SwitchableNorm2d):
     """SN whose BN branch pools statistics over all processes of the default process group."""
 
     def _reduce(self, sums: MomentSums) -> MomentSums:
+        if torch.jit.is_scripting():
+            raise RuntimeError(
+                "SyncSwitchableNorm2d cannot all-reduce under TorchScript (torch.distributed's differentiable "
+                "all_reduce is Python only): run a scripted model in evaluation mode"
+            )
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return sums
         # one collective for all three sums; a process with an empty batch contributes zeros
@@ -119,4 +136,7 @@ class SyncSwitchableNorm2d(SwitchableNorm2d):
 def _mix(logits: Tensor, statistics: list[Tensor]) -> Tensor:
     """sum_k softmax(logits)_k * statistics_k, broadcasting (N, C), (N, 1) and (C,) to (N, C)."""
     weights = torch.softmax(logits, 0)
-    return sum(w * s for w, s in zip(weights, statistics))
+    mixed = weights[0] * statistics[0]
+    for k in range(1, len(statistics)):  # a loop TorchScript compiles (it takes no generator)
+        mixed = mixed + weights[k] * statistics[k]
+    return mixed

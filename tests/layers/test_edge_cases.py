@@ -138,3 +138,61 @@ def test_failed_batch_average_returns_to_the_moving_average(name):
     layer(features(2))
     changed = [key for key, value in buffers(layer).items() if not torch.equal(value, before[key])]
     assert changed, "a training forward after the failed finish should update the moving average"
+
+
+# Inputs that break statistics computed in the input's precision: constant channels (variance 0, so
+# 1 / sqrt(var + eps) is as large as it gets) and fp16 values near its maximum 65504, whose squares
+# overflow fp16 (the layers compute statistics in float32, see statistics.stat_dtype).
+EXTREME_INPUTS = {
+    "zeros": lambda g: torch.zeros(2, CHANNELS, 5, 6),
+    "constant -3.5": lambda g: torch.full((2, CHANNELS, 5, 6), -3.5),
+    "constant 6e4": lambda g: torch.full((2, CHANNELS, 5, 6), 6e4),
+    "uniform in +-6e4": lambda g: (torch.rand(2, CHANNELS, 5, 6, generator=g) * 2 - 1) * 6e4,
+    "uniform in [3e4, 6e4]": lambda g: (torch.rand(2, CHANNELS, 5, 6, generator=g) + 1) * 3e4,
+}
+LOW_PRECISION = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def extreme_input(kind, dtype, n):
+    return EXTREME_INPUTS[kind](torch.Generator().manual_seed(3))[:n].to(dtype)
+
+
+def average_over(layer, x):
+    """The layer's test statistics set to those of x (for layers that have them): in evaluation mode
+    the output is then normalized as in training, not x scaled by default statistics (mean 0, var 1),
+    which for x near 6e4 is legitimately beyond fp16's range."""
+    if hasattr(layer, "start_batch_average") and list(layer.buffers()):
+        layer.start_batch_average()
+        with torch.no_grad():
+            layer(x)
+        layer.finish_batch_average()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("dtype", LOW_PRECISION.values(), ids=LOW_PRECISION.keys())
+@pytest.mark.parametrize("kind", EXTREME_INPUTS)
+def test_extreme_low_precision_inputs_give_finite_outputs_and_gradients(name, kind, dtype, n):
+    x = extreme_input(kind, dtype, n).requires_grad_()
+    layer = make(name).train()
+    y = layer(x)
+    assert y.dtype == dtype and y.isfinite().all(), "training output"
+    (y.float() * features(n, seed=6)[:, :, :5, :6]).sum().backward()
+    assert x.grad.isfinite().all(), "input gradient"
+    for parameter_name, parameter in layer.named_parameters():
+        assert parameter.grad is None or parameter.grad.isfinite().all(), parameter_name
+
+    average_over(layer, x.detach())
+    y = layer.eval()(x.detach())
+    assert y.dtype == dtype and y.isfinite().all(), "evaluation output"
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION.values(), ids=LOW_PRECISION.keys())
+@pytest.mark.parametrize("kind", ["zeros", "constant -3.5"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_constant_channels_normalize_to_the_bias(name, kind, dtype, training):
+    x = extreme_input(kind, dtype, 2)
+    layer = make(name)
+    average_over(layer, x)
+    y = layer.train(training)(x)
+    expected = layer.bias.detach()[:, None, None].expand(x.shape)
+    torch.testing.assert_close(y.float(), expected, rtol=0, atol=1e-2)

@@ -2,7 +2,9 @@
 
 Two real processes (gloo on CPU) each get a slice of one batch, of unequal and even zero size; their
 outputs, input gradients, summed parameter gradients and running statistics must equal those of a
-single SwitchableNorm2d run on the concatenation.
+single SwitchableNorm2d run on the concatenation. The same holds for a small network trained for a few
+steps under DistributedDataParallel (the layer's collectives interleaved with DDP's gradient
+all-reduce, as in detectron2's training), against the SN network trained on the concatenated batches.
 """
 
 import time
@@ -12,6 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from sn_detection.layers import SwitchableNorm2d, SyncSwitchableNorm2d
 
@@ -19,6 +23,7 @@ CHANNELS = 3
 WORLD_SIZE = 2
 SPLITS = {"3+1": (3, 1), "2+0": (2, 0), "0+2": (0, 2)}
 AVERAGE_SPLITS = [(2, 1), (1, 3), (0, 2)]  # batch average over three steps of unequal slices
+TRAINING_SPLITS = [(3, 1), (2, 0), (1, 2)]  # DDP steps; process 1 has no sample in the second
 
 
 def problem(sizes, seed):
@@ -47,6 +52,44 @@ def run_step(layer, x, grad_y):
     return {"y": y.detach(), "x_grad": x.grad, "param_grads": grads}
 
 
+def small_net(norm):
+    """conv - norm - relu - conv - norm, the same initial weights for every ``norm`` class."""
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(2, CHANNELS, 3, padding=1), norm(CHANNELS), nn.ReLU(), nn.Conv2d(CHANNELS, CHANNELS, 1)]
+    return nn.Sequential(*layers, norm(CHANNELS)).double()
+
+
+def training_batch(sizes, step):
+    generator = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(sum(sizes), 2, 5, 6, generator=generator, dtype=torch.float64)
+    return x, torch.randn(sum(sizes), CHANNELS, 5, 6, generator=generator, dtype=torch.float64)
+
+
+def train_steps(net, optimizer, part_of, loss_scale):
+    """SGD steps on TRAINING_SPLITS (the part of each batch this process sees: part_of(sizes)); the loss
+    is a sum over samples, so the steps on the parts equal the steps on the whole batches. Returns the
+    outputs of the first step."""
+    outputs = []
+    for step, sizes in enumerate(TRAINING_SPLITS):
+        x, target = training_batch(sizes, step)
+        part = part_of(sizes)
+        y = net(x[part])
+        loss = loss_scale * (y - target[part]).square().sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        outputs.append(y.detach())
+    return outputs[0]
+
+
+def train_with_ddp(rank):
+    # gradients are averaged over the processes, hence the loss scale
+    net = DistributedDataParallel(small_net(SyncSwitchableNorm2d), broadcast_buffers=False)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    first_output = train_steps(net, optimizer, lambda sizes: local_slice(sizes, rank), loss_scale=WORLD_SIZE)
+    return {"first_output": first_output, "state": net.module.state_dict()}
+
+
 def worker(rank, init_file, result_dir):
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=60)
@@ -67,6 +110,7 @@ def worker(rank, init_file, result_dir):
             layer(problem(sizes, seed)[0][local_slice(sizes, rank)])
     layer.finish_batch_average()
     results["batch average"] = (layer.running_mean, layer.running_var)
+    results["ddp"] = train_with_ddp(rank)
     torch.save(results, result_dir / f"rank{rank}.pt")
     dist.barrier()  # without it, gloo's destroy_process_group occasionally hangs (torch 2.3)
     dist.destroy_process_group()
@@ -111,6 +155,19 @@ def test_batch_average_pools_all_processes(distributed_results):
     for results in distributed_results:
         torch.testing.assert_close(results["batch average"][0], mean, rtol=0, atol=1e-5)
         torch.testing.assert_close(results["batch average"][1], var, rtol=0, atol=1e-5)
+
+
+def test_training_with_ddp_equals_training_on_the_whole_batches(distributed_results):
+    net = small_net(SwitchableNorm2d)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    first_output = train_steps(net, optimizer, lambda sizes: slice(None), loss_scale=1)
+    for rank, results in enumerate(distributed_results):
+        got = results["ddp"]
+        part = local_slice(TRAINING_SPLITS[0], rank)
+        torch.testing.assert_close(got["first_output"], first_output[part], rtol=0, atol=1e-5)
+        assert got["state"].keys() == net.state_dict().keys()
+        for key, value in net.state_dict().items():
+            torch.testing.assert_close(got["state"][key], value, rtol=0, atol=1e-5, msg=f"rank {rank}: {key}")
 
 
 def test_without_process_group_equals_switchable_norm():

@@ -1,0 +1,160 @@
+"""End-to-end cost of the norms: one Mask R-CNN training step and one inference, per normalizer setting.
+
+Not a test: a measurement to run by hand, on CPU and, when available, CUDA:
+
+    python tools/benchmark_train.py [--norms GN,SN,FrozenBN] [--rounds 8] [--threads N] [--json out.json]
+                                    [--config-file configs/demo_mask_rcnn_gn.yaml] [KEY VALUE ...]
+
+Every setting puts its norm in the backbone, the FPN and both heads (MODEL.RESNETS.NORM, MODEL.FPN.NORM,
+MODEL.ROI_BOX_HEAD.NORM, MODEL.ROI_MASK_HEAD.NORM) of the same model, by default the CPU demo's R50-FPN
+(160 px inputs, 128-wide FPN and heads, 64 RoIs per image, 2 images per batch). FrozenBN, a fixed
+per-channel affine, is the floor any normalizer is compared with.
+
+- Training step: forward, backward and SGD step of the same pre-loaded batches (data loading excluded),
+  at learning rate 0: the cost of a step does not depend on the weights, and the models stay at their
+  initialisation (a FrozenBN network trained from scratch would diverge within a few steps).
+- Inference: evaluation-mode forward of those images without gradients, with the score threshold at 0
+  so that every model sends the same number of detections (TEST.DETECTIONS_PER_IMAGE) through the
+  mask head, whatever it has learned.
+
+The settings are timed in interleaved rounds (two warm-up rounds first), so that a load change on a
+shared machine hits all of them alike; the table gives each setting's median and its ratio to GN.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from detectron2.config import get_cfg
+from detectron2.data import build_detection_train_loader
+from detectron2.utils.events import EventStorage
+
+from sn_detection import d2
+from sn_detection.data.datasets import register_shapes_datasets
+
+NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
+REFERENCE = "GN"
+
+
+def setting_cfg(base_cfg, norm):
+    cfg = base_cfg.clone()
+    cfg.defrost()
+    cfg.merge_from_list([item for key in NORM_KEYS for item in (key, norm)])
+    cfg.freeze()
+    return cfg
+
+
+def fixed_batches(cfg, count):
+    loader = iter(build_detection_train_loader(cfg))
+    return [next(loader) for _ in range(count)]
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Setting:
+    """One normalizer's model and optimizer, with a timed training step and a timed inference."""
+
+    def __init__(self, cfg):
+        torch.manual_seed(cfg.SEED)
+        self.model = d2.build_model(cfg)
+        self.optimizer = d2.build_optimizer(cfg, self.model)
+        self.device = torch.device(cfg.MODEL.DEVICE)
+
+    def train_step(self, batch):
+        self.model.train()
+        synchronize(self.device)
+        start = time.perf_counter()
+        with EventStorage():
+            losses = self.model(batch)
+        loss = sum(losses.values())
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        synchronize(self.device)
+        return time.perf_counter() - start
+
+    @torch.no_grad()
+    def inference(self, batch):
+        self.model.eval()
+        inputs = [{key: item[key] for key in ("image", "height", "width")} for item in batch]
+        synchronize(self.device)
+        start = time.perf_counter()
+        self.model(inputs)
+        synchronize(self.device)
+        return time.perf_counter() - start
+
+
+def interleaved_medians(settings, batches, measure):
+    """Median seconds of ``measure(setting, batch)`` per setting, over interleaved rounds."""
+    times = {name: [] for name in settings}
+    for round_index, batch in enumerate(batches):
+        for name, setting in settings.items():
+            seconds = measure(setting, batch)
+            if round_index >= 2:  # two warm-up rounds
+                times[name].append(seconds)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def print_table(rows):
+    header = f"{'setting':10} {'train step s':>12} {'x GN':>6} {'inference s':>12} {'x GN':>6}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(
+            f"{row['norm']:10} {row['train_seconds']:12.3f} {row['train_vs_gn']:6.2f} "
+            f"{row['inference_seconds']:12.3f} {row['inference_vs_gn']:6.2f}"
+        )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config-file", default="configs/demo_mask_rcnn_gn.yaml")
+    parser.add_argument("--norms", default="GN,SN,FrozenBN", help="comma-separated norm names; GN is always included")
+    parser.add_argument("--rounds", type=int, default=8, help="timed rounds (after 2 warm-up rounds)")
+    parser.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's choice)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    register_shapes_datasets()
+    cfg = get_cfg()
+    d2.add_sn_config(cfg)
+    cfg.merge_from_file(args.config_file)
+    fixed = ["DATALOADER.NUM_WORKERS", "0", "SOLVER.BASE_LR", "0.0", "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0"]
+    cfg.merge_from_list(fixed + args.opts)
+    if cfg.MODEL.DEVICE.startswith("cuda") and not torch.cuda.is_available():
+        cfg.MODEL.DEVICE = "cpu"
+    cfg.freeze()
+
+    norms = [REFERENCE] + [norm for norm in args.norms.split(",") if norm and norm != REFERENCE]
+    device = torch.device(cfg.MODEL.DEVICE)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, device {gpu or 'cpu'}")
+    batches = fixed_batches(cfg, args.rounds + 2)
+    settings = {norm: Setting(setting_cfg(cfg, norm)) for norm in norms}
+    train = interleaved_medians(settings, batches, lambda s, batch: s.train_step(batch))
+    inference = interleaved_medians(settings, batches, lambda s, batch: s.inference(batch))
+
+    rows = [
+        {
+            "norm": norm, "device": device.type, "gpu": gpu, "config": args.config_file,
+            "train_seconds": train[norm], "train_vs_gn": train[norm] / train[REFERENCE],
+            "inference_seconds": inference[norm], "inference_vs_gn": inference[norm] / inference[REFERENCE],
+        }
+        for norm in norms
+    ]
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
