@@ -109,3 +109,36 @@ def test_frozen_bn_rows_start_from_weights_with_bn_statistics_or_msra():
             assert entry.pretrained == ("torchvision" if entry.setting == 1 else "msra"), entry.name
         if entry.backbone == "BN" and not entry.scratch:
             assert entry.pretrained == "torchvision", entry.name
+
+
+def test_measured_numbers_are_a_table_of_their_own():
+    table = model_zoo.catalog_table()
+    measured = table[table.index("### Measured here") :]
+    assert "not the paper's" in measured
+    sn = "[demo_mask_rcnn_sn](../configs/demo_mask_rcnn_sn.yaml)"
+    gn = "[demo_mask_rcnn_gn](../configs/demo_mask_rcnn_gn.yaml)"
+    assert f"| {sn} | 560 | 9.1 | 18.7 | 8.6 | 17.7 | 9 min 53 s |" in measured
+    assert f"| {sn} | 700 | 9.6 | – | 9.7 | – | – |" in measured
+    assert f"| {gn} | 1000 | 14.4 | – | 14.9 | – | – |" in measured
+    assert {m.config for m in model_zoo.MEASURED} <= config_names_on_disk()
+
+
+def test_a_measured_catalog_config_shows_its_longest_run_as_our_ap(monkeypatch):
+    runs = (
+        model_zoo.Measurement("mask_rcnn_sn_2x", 2000, 20.0, 18.5),
+        model_zoo.Measurement("mask_rcnn_sn_2x", 1000, 12.3, 11.1),
+        model_zoo.Measurement("faster_rcnn_sn_1x", 500, 7.5),
+    )
+    monkeypatch.setattr(model_zoo, "MEASURED", runs)
+    table = model_zoo.catalog_table()
+    assert "| [mask_rcnn_sn_2x](../configs/mask_rcnn_sn_2x.yaml) | SN | SN | sn | 41.0 | 36.5 | 20.0 / 18.5 |" in table
+    assert "| [faster_rcnn_sn_1x](../configs/faster_rcnn_sn_1x.yaml) | SN | SN | sn | 39.3 | 7.5 |" in table
+    assert "| [mask_rcnn_gn_2x](../configs/mask_rcnn_gn_2x.yaml) | GN | GN | gn | 40.2 | 35.7 | – |" in table
+
+
+def test_markdown_sections_are_included_in_name_order(tmp_path):
+    without = model_zoo.catalog_table(str(tmp_path / "missing"))
+    (tmp_path / "b_sweep.md").write_text("### Sweep\n\n| a |\n|---|\n", encoding="utf-8")
+    (tmp_path / "a_first.md").write_text("\n### First\n\n", encoding="utf-8")
+    (tmp_path / "notes.txt").write_text("not markdown", encoding="utf-8")
+    assert model_zoo.catalog_table(str(tmp_path)) == without + "\n### First\n\n### Sweep\n\n| a |\n|---|\n"

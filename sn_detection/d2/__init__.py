@@ -1,10 +1,12 @@
-"""All the glue with detectron2: config keys, norm-name registration, frozen stages, optimizer.
+"""All the glue with detectron2: config keys (and their validation), norm-name registration, frozen stages,
+optimizer, checkpoint loading with clear errors.
 
 Importing ``sn_detection`` installs the registration (see ``registry``), so that every name of
 ``sn_detection.layers.build_norm`` works in detectron2's norm config keys.
 """
 
-from .config import add_sn_config, norm_options_from_cfg
+from .checkpoint import CheckedCheckpointer
+from .config import add_sn_config, norm_options_from_cfg, validate_sn_config
 from .freeze import freeze_norms
 from .model import build_model
 from .optimizer import build_optimizer, get_optimizer_params
@@ -18,6 +20,7 @@ from .registry import (
 )
 
 __all__ = [
+    "CheckedCheckpointer",
     "add_sn_config",
     "build_model",
     "build_optimizer",
@@ -30,4 +33,5 @@ __all__ = [
     "norm_options_from_cfg",
     "set_norm_options",
     "valid_norm_names",
+    "validate_sn_config",
 ]

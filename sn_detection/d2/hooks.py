@@ -21,8 +21,9 @@ statistics:
 Which modules take part: those with the protocol or a BatchNorm with ``track_running_stats``, that are
 in training mode once the model is (a frozen layer of ours stays in evaluation mode and is skipped, as
 is any BatchNorm deliberately kept in evaluation mode; detectron2's FrozenBatchNorm2d has no batch
-statistics at all). A module is started lazily, on its first non-empty input: one that receives none
-(a head that got no RoIs in any batch) keeps its statistics, with a warning.
+statistics at all). A module is started on its first call, empty inputs included (an empty batch adds
+nothing to the pool); one that pooled no value (a head that got no RoIs in any batch, or was never
+called) keeps its statistics, with a warning.
 
 Guarantees: no gradients are computed and no parameter changes; the model's and every submodule's
 training flag are restored; detectron2's training-mode logging goes to a scratch ``EventStorage``, so
@@ -30,11 +31,11 @@ the trainer's metrics do not see the extra forwards. If a forward raises, every 
 to its value before the call. Nothing runs, and no batch is read, when the model has no such module.
 
 Several processes: each process averages the batches its own data loader yields. SyncSN all-reduces
-its batch statistics inside the layer, so every process stores the same, global, average; every other
-layer (SN, DN, MN, BNSR, BatchNorm) stores its own process's average, as detectron2's PreciseBN does.
-This matches what the layers see in training, where those layers normalize with per-process
-statistics. (A SyncSN layer that receives no input on one process in all the batches keeps its old
-statistics there.)
+its batch statistics inside the layer, so every process stores the same, global, average, also a
+process whose own inputs to the layer were all empty: starting on the first call, not on the first
+non-empty input, makes every process pool the same all-reduced sums. Every other layer (SN, DN, MN,
+BNSR, BatchNorm) stores its own process's average, as detectron2's PreciseBN does. This matches what the
+layers see in training, where those layers normalize with per-process statistics.
 
 The paper does not say how many minibatches detection used; ``cfg.TEST.BATCH_AVERAGE.NUM_BATCHES``
 (per process) sets it.
@@ -81,8 +82,7 @@ def batch_statistics_modules(model: nn.Module) -> list[nn.Module]:
 
 
 class _LayerAverage:
-    """Batch average of a layer with the start/finish protocol, started on its first non-empty input: a
-    layer that no value reaches is never started, as it could not finish (it has no statistics)."""
+    """Batch average of a layer with the start/finish protocol, started on its first call."""
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -90,13 +90,21 @@ class _LayerAverage:
         self._saved = {name: b.detach().clone() for name, b in module.named_buffers(recurse=False)}
 
     def observe(self, x: Tensor) -> None:
-        if not self.started and x.numel() > 0:
+        if not self.started:
             self.module.start_batch_average()
             self.started = True
 
-    def finish(self) -> None:
-        if self.started:
+    def finish(self) -> bool:
+        """Stores the pooled statistics; False if there were none (the layer keeps its own)."""
+        if not self.started:
+            return False
+        try:
             self.module.finish_batch_average()
+        except RuntimeError:
+            # nothing was pooled: only empty inputs (on every process, for SyncSN); the protocol then
+            # leaves the statistics as they were
+            return False
+        return True
 
     def abort(self) -> None:
         """Leave the averaging state and put the buffers back as they were."""
@@ -124,11 +132,6 @@ class _BatchNormAverage:
         self._count = 0
         self._sum = self._sum_sq = 0.0
 
-    @property
-    def started(self) -> bool:
-        """Whether any value reached the layer."""
-        return self._count > 0
-
     def observe(self, x: Tensor) -> None:
         if self._saved is None:
             self._saved = (self.module.momentum, self.module.num_batches_tracked.clone())
@@ -144,14 +147,17 @@ class _BatchNormAverage:
         self._sum_sq = self._sum_sq + count * (var + mean.square())
 
     @torch.no_grad()
-    def finish(self) -> None:
+    def finish(self) -> bool:
+        """Stores the statistics of the pooled values; False if no value reached the layer."""
         self.abort()
-        if self.started:
-            mean = self._sum / self._count
-            var = (self._sum_sq / self._count - mean.square()).clamp(min=0)
-            var = var * self._count / max(self._count - 1, 1)
-            self.module.running_mean.copy_(mean)
-            self.module.running_var.copy_(var)
+        if self._count == 0:
+            return False
+        mean = self._sum / self._count
+        var = (self._sum_sq / self._count - mean.square()).clamp(min=0)
+        var = var * self._count / max(self._count - 1, 1)
+        self.module.running_mean.copy_(mean)
+        self.module.running_var.copy_(var)
+        return True
 
     @torch.no_grad()
     def abort(self) -> None:
@@ -199,9 +205,10 @@ def update_batch_average(model: nn.Module, data_loader_iter: Iterable, num_batch
             handle.remove()
         for module, training in modes.items():
             module.training = training
-    for averager in averagers.values():
-        averager.finish()
-    unreached = [name for name, averager in averagers.items() if not averager.started]
+    unreached = []
+    for name, averager in averagers.items():
+        if not averager.finish():
+            unreached.append(name)
     if unreached:
         logger.warning("Batch average: no input reached %s; they keep their previous statistics", unreached)
     return used
@@ -233,16 +240,22 @@ class BatchAverage(HookBase):
     Like detectron2's PreciseBN, it runs in ``after_step`` and must come before the EvalHook (so that
     evaluation uses the averaged statistics; the final evaluation runs in the EvalHook's
     ``after_train``) and before the PeriodicCheckpointer (so that the checkpoints hold them):
-    see ``insert_before_evaluation``. The data loader is built by ``data_loader_factory()`` on the first
-    run and its iterator reused by later runs, so every run sees fresh training batches.
+    see ``insert_before_evaluation``. The data loader is built by ``data_loader_factory(start_batch)``
+    on the first run and its iterator reused by later runs, so every run sees fresh training batches.
+
+    Its state (saved with the trainer's checkpoints) is the number of batches read so far: a resumed
+    training builds the loader from there on, so that it averages the batches an uninterrupted one would.
     """
 
-    def __init__(self, model: nn.Module, data_loader_factory: Callable[[], Iterable], num_batches: int, period: int):
+    def __init__(
+        self, model: nn.Module, data_loader_factory: Callable[[int], Iterable], num_batches: int, period: int
+    ):
         self._model = model
         self._data_loader_factory = data_loader_factory
         self._num_batches = num_batches
         self._period = period
         self._data_iter = None
+        self._batches_read = 0
 
     def after_step(self):
         next_iter = self.trainer.iter + 1
@@ -252,18 +265,29 @@ class BatchAverage(HookBase):
     def update(self) -> int:
         """Recompute the statistics now; returns the number of batches used."""
         if self._data_iter is None:
-            self._data_iter = iter(self._data_loader_factory())
-        return update_batch_average(self._model, self._data_iter, self._num_batches)
+            self._data_iter = iter(self._data_loader_factory(self._batches_read))
+        used = update_batch_average(self._model, self._data_iter, self._num_batches)
+        self._batches_read += used
+        return used
+
+    def state_dict(self) -> dict:
+        return {"batches_read": self._batches_read}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._batches_read = state["batches_read"]
+        self._data_iter = None
 
 
 def build_batch_average_hook(cfg, model: nn.Module, data_loader_factory: Callable) -> Optional[BatchAverage]:
     """The ``BatchAverage`` hook for ``cfg``, or None when cfg.TEST.BATCH_AVERAGE.ENABLED is off or
     ``model`` has no module with batch statistics.
 
-    ``data_loader_factory(cfg)`` builds a training data loader (e.g. ``Trainer.build_train_loader``); it
-    is called on the hook's first run with a copy of ``cfg`` with DATALOADER.NUM_WORKERS 0, as
-    DefaultTrainer does for PreciseBN (no worker processes kept alive for the whole training). The hook
-    runs with the period of evaluation, cfg.TEST.EVAL_PERIOD, and after the last iteration.
+    ``data_loader_factory(cfg, start_batch)`` builds a training data loader whose stream starts at its
+    batch ``start_batch`` (e.g. ``Trainer.build_train_loader``). It is called on the hook's first run
+    with a copy of ``cfg`` with DATALOADER.NUM_WORKERS 0, as DefaultTrainer does for PreciseBN (no worker
+    processes kept alive for the whole training), and SEED + 1 when SEED is fixed, so that the stream is
+    not a replay of the training loader's. The hook runs with the period of evaluation,
+    cfg.TEST.EVAL_PERIOD, and after the last iteration.
     """
     if not cfg.TEST.BATCH_AVERAGE.ENABLED:
         return None
@@ -273,9 +297,11 @@ def build_batch_average_hook(cfg, model: nn.Module, data_loader_factory: Callabl
     loader_cfg = cfg.clone()
     loader_cfg.defrost()
     loader_cfg.DATALOADER.NUM_WORKERS = 0
+    if loader_cfg.SEED >= 0:
+        loader_cfg.SEED += 1
     return BatchAverage(
         model,
-        lambda: data_loader_factory(loader_cfg),
+        lambda start_batch: data_loader_factory(loader_cfg, start_batch),
         num_batches=cfg.TEST.BATCH_AVERAGE.NUM_BATCHES,
         period=cfg.TEST.EVAL_PERIOD,
     )

@@ -35,7 +35,8 @@ sets them for the builds inside a ``with`` block; ``options`` maps a norm name t
 layers get their constructors' defaults. ``sn_detection.d2.build_model(cfg)`` applies the options of
 ``cfg`` for its build; whoever calls detectron2's ``build_model`` directly calls ``set_norm_options``
 first (or wraps the call in ``norm_options_applied``), and ``sn_detection.d2.freeze_norms`` after.
-Invalid option values fail in the layer's constructor, i.e. at build time, with its ``ValueError``.
+Invalid option values fail in the layer's constructor, i.e. at build time, with its reason wrapped in a
+``NormBuildError`` (a ``ValueError``) that names the norm, the channels and the options.
 """
 
 from __future__ import annotations
@@ -68,6 +69,15 @@ ORIGINAL_GET_NORM = _unwrapped(detectron2.layers.batch_norm.get_norm)
 _options: Mapping[str, Mapping[str, object]] = MappingProxyType({})
 
 
+class NormBuildError(ValueError):
+    """One of our layers refused its options for the channels a builder asked for."""
+
+    def __init__(self, norm: str, channels: int, options: Mapping[str, object], reason: Exception):
+        super().__init__(f"cannot build norm {norm!r} over {channels} channels with options {options}: {reason}")
+        self.norm = norm
+        self.options = options
+
+
 def valid_norm_names() -> tuple[str, ...]:
     """Every norm string the wrapper accepts: ours, then detectron2's other built-in names."""
     return NORM_NAMES + tuple(name for name in DETECTRON2_NORM_NAMES if name not in NORM_NAMES)
@@ -80,7 +90,11 @@ def get_norm(norm, out_channels: int):
     anything else is resolved by detectron2's own ``get_norm``.
     """
     if isinstance(norm, str) and norm in NORM_NAMES:
-        return build_norm(norm, out_channels, **_options.get(norm, {}))
+        options = dict(_options.get(norm, {}))
+        try:
+            return build_norm(norm, out_channels, **options)
+        except ValueError as error:
+            raise NormBuildError(norm, out_channels, options, error) from error
     try:
         return ORIGINAL_GET_NORM(norm, out_channels)
     except KeyError as error:

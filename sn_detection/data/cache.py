@@ -3,7 +3,7 @@
 A split is written into a temporary sibling folder and renamed into place only once complete, with a
 manifest of every file's size and SHA-256 written last. A folder whose manifest is missing, describes
 other generation arguments, or disagrees with the files (a killed run, a truncated or edited file) is
-removed and generated again.
+removed and generated again (so is a file or link in its place).
 """
 
 from __future__ import annotations
@@ -44,6 +44,14 @@ def is_intact(folder: str, key: dict) -> bool:
     return manifest.get("key") == key and manifest.get("files") == _list_files(folder)
 
 
+def _remove(path: str) -> None:
+    """Remove a damaged folder, or whatever else (a file, a link) took its name."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        os.remove(path)
+
+
 def ensure_folder(folder: str, key: dict, generate: Callable[[str], None]) -> str:
     """Returns `folder`, first (re)generating it with `generate(tmp_folder)` unless it is intact."""
     if is_intact(folder, key):
@@ -56,7 +64,7 @@ def ensure_folder(folder: str, key: dict, generate: Callable[[str], None]) -> st
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump({"key": key, "files": _list_files(tmp)}, f)
         if os.path.lexists(folder) and not is_intact(folder, key):
-            shutil.rmtree(folder, ignore_errors=True)
+            _remove(folder)
         try:
             os.rename(tmp, folder)
         except OSError:

@@ -33,9 +33,11 @@ SHAPES_SPLITS = {
 }
 
 
+DEFAULT_DATA_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "sn_detection", "datasets")
+
+
 def data_root() -> str:
-    default = os.path.join(os.path.expanduser("~"), ".cache", "sn_detection", "datasets")
-    return os.environ.get("SN_DETECTION_DATA", default)
+    return os.environ.get("SN_DETECTION_DATA", DEFAULT_DATA_ROOT)
 
 
 def split_folder(name: str, root: str) -> str:
@@ -46,7 +48,13 @@ def prepare_split(name: str, root: str) -> str:
     """Generates the split under root if its cache is missing or damaged; returns its folder."""
     spec = SHAPES_SPLITS[name]
     key = {"name": name, "version": GENERATOR_VERSION, **asdict(spec)}
-    return ensure_folder(split_folder(name, root), key, partial(_write, spec))
+    try:
+        return ensure_folder(split_folder(name, root), key, partial(_write, spec))
+    except OSError as error:
+        raise OSError(
+            f"cannot generate dataset {name!r} in {root} ({error}); point SN_DETECTION_DATA (default "
+            f"{DEFAULT_DATA_ROOT}) at a writable folder"
+        ) from error
 
 
 def _write(spec: SplitSpec, folder: str) -> None:
@@ -73,3 +81,21 @@ def register_shapes_datasets(root: str | None = None) -> None:
             image_root=os.path.join(folder, "images"),
             evaluator_type="coco",
         )
+
+
+def check_datasets(names) -> None:
+    """Fail now, naming the dataset, when a name is not registered or when the annotation file or the image
+    folder its metadata names (as ``register_coco_instances`` sets them) does not exist, rather than when
+    it is first loaded (for a test set: after training). The embedded splits are generated when loaded."""
+    for name in names:
+        if name not in DatasetCatalog.list():
+            registered = sorted(DatasetCatalog.list())
+            raise ValueError(f"dataset {name!r} is not registered; registered datasets: {registered}")
+        if name in SHAPES_SPLITS:
+            continue
+        metadata = MetadataCatalog.get(name)
+        json_file, image_root = metadata.get("json_file"), metadata.get("image_root")
+        if json_file and not os.path.isfile(json_file):
+            raise FileNotFoundError(f"dataset {name!r}: its annotation file {json_file} does not exist")
+        if image_root and not os.path.isdir(image_root):
+            raise FileNotFoundError(f"dataset {name!r}: its image folder {image_root} does not exist")

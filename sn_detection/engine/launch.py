@@ -5,28 +5,36 @@ from __future__ import annotations
 import logging
 
 import torch
-from detectron2.checkpoint import DetectionCheckpointer
 from detectron2.config import get_cfg
 from detectron2.engine import default_setup
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
-from ..d2 import add_sn_config
-from ..data.datasets import register_shapes_datasets
+from ..d2 import CheckedCheckpointer, add_sn_config, validate_sn_config
+from ..data.datasets import check_datasets, register_shapes_datasets
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
 
-def setup_cfg(args):
-    """A frozen config from args.config_file and the trailing KEY VALUE overrides in args.opts."""
+def load_cfg(config_file: str, opts: list):
+    """A frozen config from ``config_file`` and the KEY VALUE overrides ``opts``, on the CPU if there is
+    no CUDA device; a bad value of sn_detection's keys fails here, before anything is written."""
     cfg = get_cfg()
     add_sn_config(cfg)
-    cfg.merge_from_file(args.config_file)
-    cfg.merge_from_list(args.opts)
+    cfg.merge_from_file(config_file)
+    cfg.merge_from_list(opts)
+    validate_sn_config(cfg)
     if cfg.MODEL.DEVICE.startswith("cuda") and not torch.cuda.is_available():
         cfg.MODEL.DEVICE = "cpu"
     cfg.freeze()
+    return cfg
+
+
+def setup_cfg(args):
+    """``load_cfg`` of args.config_file and args.opts, with detectron2's setup for training (logging,
+    the config saved into OUTPUT_DIR, seeds)."""
+    cfg = load_cfg(args.config_file, args.opts)
     default_setup(cfg, args)
     setup_logger(output=cfg.OUTPUT_DIR, distributed_rank=comm.get_rank(), name="sn_detection")
     if cfg.MODEL.DEVICE == "cpu":
@@ -37,9 +45,10 @@ def setup_cfg(args):
 def main(args):
     register_shapes_datasets()
     cfg = setup_cfg(args)
+    check_datasets(cfg.DATASETS.TEST if args.eval_only else [*cfg.DATASETS.TRAIN, *cfg.DATASETS.TEST])
     if args.eval_only:
         model = Trainer.build_model(cfg)
-        DetectionCheckpointer(model, save_dir=cfg.OUTPUT_DIR).resume_or_load(cfg.MODEL.WEIGHTS, resume=args.resume)
+        CheckedCheckpointer(model, save_dir=cfg.OUTPUT_DIR).resume_or_load(cfg.MODEL.WEIGHTS, resume=args.resume)
         return Trainer.test(cfg, model)
     trainer = Trainer(cfg)
     trainer.resume_or_load(resume=args.resume)

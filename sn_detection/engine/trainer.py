@@ -1,20 +1,30 @@
 """The trainer behind tools/train_net.py: detectron2's DefaultTrainer whose model has our norms
 configured by ``cfg.MODEL.SN`` and frozen in frozen stages, whose optimizer applies our norms' rules, and
-whose COCO evaluation also writes its AP to a JSON file and prints a one-line summary."""
+whose COCO evaluation also writes its AP to a JSON file and prints a one-line summary.
+
+Also: several processes on the CPU (``--num-gpus K`` without a GPU: K gloo processes), a resumed
+training equal to an uninterrupted one (see ``resume``), and no checkpoint with NaN or Inf (``finite``).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import weakref
 
+import torch
 from detectron2.data import DatasetCatalog, MetadataCatalog
-from detectron2.engine import DefaultTrainer
+from detectron2.engine import AMPTrainer, DefaultTrainer, SimpleTrainer, TrainerBase, create_ddp_model
 from detectron2.evaluation import COCOEvaluator
 from detectron2.utils import comm
+from detectron2.utils.logger import setup_logger
 
 from .. import d2
 from ..d2.hooks import build_batch_average_hook, insert_before_evaluation
+from ..d2.norm_analysis import build_norm_analysis_hook
+from . import resume
+from .finite import FiniteCheckpointer
 
 RESULTS_FILE = "eval_results.json"
 
@@ -22,6 +32,39 @@ logger = logging.getLogger(__name__)
 
 
 class Trainer(DefaultTrainer):
+    def __init__(self, cfg):
+        """DefaultTrainer's construction with two changes: on the CPU, DistributedDataParallel gets no
+        ``device_ids`` (detectron2's create_ddp_model passes the local rank, which DDP rejects for a CPU
+        model), and the checkpointer is a ``FiniteCheckpointer``."""
+        TrainerBase.__init__(self)
+        if not logging.getLogger("detectron2").isEnabledFor(logging.INFO):
+            setup_logger()
+        cfg = DefaultTrainer.auto_scale_workers(cfg, comm.get_world_size())
+        model = self.build_model(cfg)
+        optimizer = self.build_optimizer(cfg, model)
+        data_loader = self.build_train_loader(cfg)
+        on_cpu = torch.device(cfg.MODEL.DEVICE).type == "cpu"
+        model = create_ddp_model(model, broadcast_buffers=False, **({"device_ids": None} if on_cpu else {}))
+        self._trainer = (AMPTrainer if cfg.SOLVER.AMP.ENABLED else SimpleTrainer)(model, data_loader, optimizer)
+        self.scheduler = self.build_lr_scheduler(cfg, optimizer)
+        self.checkpointer = FiniteCheckpointer(model, cfg.OUTPUT_DIR, trainer=weakref.proxy(self))
+        self.start_iter = 0
+        self.max_iter = cfg.SOLVER.MAX_ITER
+        self.cfg = cfg
+        self.register_hooks(self.build_hooks())
+
+    def resume_or_load(self, resume=True):
+        super().resume_or_load(resume=resume)
+        if self.start_iter > 0:
+            # The loader built in __init__ starts at the beginning of its stream; a resumed run must
+            # read on where the checkpointed one stopped (one batch per iteration). SimpleTrainer
+            # creates its data iterator at the first step, so replacing the loader here is enough.
+            self._trainer.data_loader = self.build_train_loader(self.cfg, start_batch=self.start_iter)
+
+    @classmethod
+    def build_train_loader(cls, cfg, start_batch: int = 0):
+        return resume.build_train_loader(cfg, start_batch)
+
     @classmethod
     def build_model(cls, cfg):
         model = d2.build_model(cfg)
@@ -34,7 +77,12 @@ class Trainer(DefaultTrainer):
 
     def build_hooks(self):
         hook = build_batch_average_hook(self.cfg, self.model, self.build_train_loader)
-        return insert_before_evaluation(super().build_hooks(), hook)
+        hooks = insert_before_evaluation(super().build_hooks(), hook)
+        if self.cfg.SEED >= 0:
+            # first, so that every random draw of an iteration follows its seeding
+            hooks.insert(0, resume.IterationSeed(self.cfg.SEED))
+        # before the writers too, so that the logged values reach metrics.json at their own iteration
+        return insert_before_evaluation(hooks, build_norm_analysis_hook(self.cfg, self.model))
 
     @classmethod
     def build_evaluator(cls, cfg, dataset_name, output_folder=None):

@@ -12,6 +12,7 @@ import torch
 from resnet_sources import read_converted, torchvision_resnet
 
 from sn_detection.checkpoint import files, write_checkpoint
+from sn_detection.checkpoint.cli import EXIT_FAILURE, main
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 STATE = {"stem.conv1.weight": torch.randn(64, 3, 7, 7), "stem.conv1.norm.bias": torch.randn(64)}
@@ -85,3 +86,26 @@ def test_command_line(tmp_path):
     assert failed.returncode == 2
     assert "error:" in failed.stderr and "not a pickle" in failed.stderr
     assert not (tmp_path / "r18_gn.pkl").exists()
+
+
+@pytest.fixture(scope="module")
+def resnet18_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("source") / "resnet18.pth"
+    torch.save(torchvision_resnet(18, seed=9).state_dict(), path)
+    return path
+
+
+def test_conversion_interrupted_midway_writes_nothing(resnet18_file, tmp_path, monkeypatch, capsys):
+    """The command line converts, starts writing, fails: status 2, the error printed, no file and no
+    temporary file left."""
+    monkeypatch.setitem(files.WRITERS, ".pkl", failing_writer(OSError("No space left on device")))
+    assert main([str(resnet18_file), str(tmp_path / "r18.pkl"), "--source", "torchvision"]) == EXIT_FAILURE
+    assert "error: No space left on device" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_conversion_into_a_missing_directory(resnet18_file, tmp_path, capsys):
+    destination = tmp_path / "pretrained" / "r18.pkl"
+    assert main([str(resnet18_file), str(destination), "--source", "torchvision"]) == EXIT_FAILURE
+    assert f"the directory {tmp_path / 'pretrained'} does not exist" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

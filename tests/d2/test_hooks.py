@@ -185,7 +185,7 @@ def test_no_op_without_batch_statistics():
     for name, value in model.state_dict().items():
         assert torch.equal(value, state[name])
     cfg = batch_average_cfg()
-    assert build_batch_average_hook(cfg, model, lambda cfg: Untouchable()) is None
+    assert build_batch_average_hook(cfg, model, lambda cfg, start_batch: Untouchable()) is None
 
 
 class Branches(nn.Module):
@@ -284,7 +284,7 @@ def test_hook_order_puts_it_before_checkpointing_and_evaluation():
 def test_disabled_by_config():
     cfg = batch_average_cfg()
     cfg.TEST.BATCH_AVERAGE.ENABLED = False
-    assert build_batch_average_hook(cfg, TwoNormNet("SN"), lambda cfg: Untouchable()) is None
+    assert build_batch_average_hook(cfg, TwoNormNet("SN"), lambda cfg, start_batch: Untouchable()) is None
 
 
 def test_in_a_trainer_before_each_evaluation_and_at_the_end():
@@ -293,11 +293,11 @@ def test_in_a_trainer_before_each_evaluation_and_at_the_end():
     model = TwoNormNet("SN")
     train_batches = make_batches(seed=10) + make_batches(seed=11)
     average_batches = make_batches(seed=20) + make_batches(seed=21) + make_batches(seed=22)
-    loader_workers = []
+    loaders = []
 
-    def build_loader(cfg):
-        loader_workers.append(cfg.DATALOADER.NUM_WORKERS)
-        return average_batches
+    def build_loader(cfg, start_batch):
+        loaders.append((cfg.DATALOADER.NUM_WORKERS, cfg.SEED, start_batch))
+        return average_batches[start_batch:]
 
     evaluations = []
 
@@ -306,13 +306,14 @@ def test_in_a_trainer_before_each_evaluation_and_at_the_end():
         return {}
 
     cfg = batch_average_cfg(num_batches=3, eval_period=2)
+    cfg.SEED = 7
     hook = build_batch_average_hook(cfg, model, build_loader)
-    assert loader_workers == []  # built lazily, on the first run
+    assert loaders == []  # built lazily, on the first run
     trainer = SimpleTrainer(model, train_batches, torch.optim.SGD(model.parameters(), lr=0.1))
     trainer.register_hooks(insert_before_evaluation([EvalHook(2, evaluate)], hook))
     trainer.train(0, 4)
 
-    assert loader_workers == [0]
+    assert loaders == [(0, 8, 0)]  # no workers, a stream of its own, from its beginning
     assert len(evaluations) == 2
     for state, batches in zip(evaluations, (average_batches[:3], average_batches[3:6])):
         reference = TwoNormNet("SN")
@@ -322,6 +323,28 @@ def test_in_a_trainer_before_each_evaluation_and_at_the_end():
             assert_statistics(layer, expected_statistics(layer, layer_input))
     assert torch.equal(model.norm2.running_var, evaluations[-1]["norm2.running_var"])
     assert model.training
+
+
+def test_a_resumed_hook_reads_on_where_it_stopped():
+    """The hook's state (batches read), saved in the trainer's checkpoints, makes a new hook build its
+    loader from the next unread batch: it averages what the first hook would have averaged next."""
+    average_batches = make_batches(seed=20) + make_batches(seed=21)
+    starts = []
+
+    def build_loader(cfg, start_batch):
+        starts.append(start_batch)
+        return average_batches[start_batch:]
+
+    cfg = batch_average_cfg(num_batches=2)
+    first = build_batch_average_hook(cfg, TwoNormNet("SN"), build_loader)
+    assert first.update() == 2 and first.state_dict() == {"batches_read": 2}
+    model = TwoNormNet("SN")
+    resumed = build_batch_average_hook(cfg, model, build_loader)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.update() == 2 and resumed.state_dict() == {"batches_read": 4}
+    assert starts == [0, 2]
+    for layer, layer_input in zip(model.norms(), layer_inputs(TwoNormNet("SN"), average_batches[2:4])):
+        assert_statistics(layer, expected_statistics(layer, layer_input))
 
 
 class TwoBranches(nn.Module):
@@ -339,24 +362,49 @@ class TwoBranches(nn.Module):
         return self.synced(y) + self.local(y)
 
 
-def rank_batches(rank):
+# Per-process batch sizes (each process reads 3 batches): in "rank 1 starts empty" the layers' first call
+# on process 1 carries no value, in "rank 1 all empty" none does.
+RANK_BATCH_SIZES = {
+    "unequal": [[2, 1, 2], [3, 1, 1]],
+    "rank 1 starts empty": [[2, 1, 2], [0, 3, 1]],
+    "rank 1 all empty": [[2, 1, 2], [0, 0, 0]],
+}
+
+
+def rank_batches(scenario, rank):
     generator = torch.Generator().manual_seed(100 + rank)
-    return [torch.randn(shape, generator=generator) + rank for shape in [(2 + rank, 3, 8, 8), (1, 3, 6, 10)]]
+    shapes = [(n, 3, 8, 8) for n in RANK_BATCH_SIZES[scenario][rank]]
+    return [torch.randn(shape, generator=generator) + rank for shape in shapes]
 
 
 def _average_in_process(rank, world_size, init_file):
+    """The hook on each process with that process's batches: SyncSN stores the statistics of every
+    process's batches, bit for bit the same on all; SN those of its own (or keeps its own if it saw none)."""
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        model = TwoBranches()
-        update_batch_average(model, iter(rank_batches(rank)), num_batches=2)
-        with torch.no_grad():
-            inputs = {r: [model.conv(x).double() for x in rank_batches(r)] for r in range(world_size)}
-        everyone = pixels([x for r in range(world_size) for x in inputs[r]])
-        own = pixels(inputs[rank])
-        assert_close(model.synced.running_mean, everyone.mean(1))
-        assert_close(model.synced.running_var, everyone.var(1, correction=0))
-        assert_close(model.local.running_mean, own.mean(1))
-        assert_close(model.local.running_var, own.var(1, correction=0))
+        for scenario in RANK_BATCH_SIZES:
+            model = TwoBranches()
+            before = model.local.running_mean.clone(), model.local.running_var.clone()
+            hook = build_batch_average_hook(
+                batch_average_cfg(num_batches=3), model, lambda cfg, start: rank_batches(scenario, rank)[start:]
+            )
+            assert hook.update() == 3
+            with torch.no_grad():
+                inputs = {r: [model.conv(x).double() for x in rank_batches(scenario, r)] for r in range(world_size)}
+            everyone = pixels([x for r in range(world_size) for x in inputs[r]])
+            assert_close(model.synced.running_mean, everyone.mean(1), msg=scenario)
+            assert_close(model.synced.running_var, everyone.var(1, correction=0), msg=scenario)
+            for statistic in (model.synced.running_mean, model.synced.running_var):
+                on_each = [torch.empty_like(statistic) for _ in range(world_size)]
+                torch.distributed.all_gather(on_each, statistic)
+                assert all(torch.equal(other, on_each[0]) for other in on_each), scenario
+            own = pixels(inputs[rank])
+            if own.shape[1]:
+                assert_close(model.local.running_mean, own.mean(1), msg=scenario)
+                assert_close(model.local.running_var, own.var(1, correction=0), msg=scenario)
+            else:
+                assert torch.equal(model.local.running_mean, before[0]), scenario
+                assert torch.equal(model.local.running_var, before[1]), scenario
     finally:
         torch.distributed.destroy_process_group()
 

@@ -182,15 +182,27 @@ def test_each_option_reaches_its_layer(norm, key, value, channels):
 @pytest.mark.parametrize(
     "norm, key, value, message",
     [("GN", "MODEL.SN.GN_GROUPS", 3, "not divisible by num_groups=3"),
-     ("DN", "MODEL.SN.DN_INIT_GROUPS", 3, "init_groups=3 cannot be expressed"),
-     ("MN", "MODEL.SN.NUM_MODES", 0, "num_modes must be a positive int"),
-     ("MGN", "MODEL.SN.NUM_MODES", 0, "num_modes must be a positive int"),
-     ("BNSR", "MODEL.SN.BNSR_P", 0.0, "p must be > 0")],
+     ("DN", "MODEL.SN.DN_INIT_GROUPS", 3, "init_groups=3 cannot be expressed")],
 )
-def test_invalid_option_values_fail_when_the_model_is_built(norm, key, value, message):
-    with pytest.raises(ValueError, match=message):
+def test_group_counts_that_do_not_suit_the_channels_fail_when_the_model_is_built(norm, key, value, message):
+    """Values out of range whatever the channels fail earlier, with the config: tests/d2/test_config.py."""
+    with pytest.raises(ValueError, match=message) as error:
         build_model(tiny_cfg(norm, "c4", key, value))
+    assert f"cannot build norm {norm!r} over 16 channels" in str(error.value)  # the stem
+    assert f"{key}={value!r}" in str(error.value)
     assert current_norm_options() == {}
+
+
+@pytest.mark.parametrize(
+    "norm, options, message",
+    [("MN", {"num_modes": 0}, "num_modes must be a positive int"),
+     ("MGN", {"num_modes": 0}, "num_modes must be a positive int"),
+     ("BNSR", {"p": 0.0}, "p must be > 0")],
+)
+def test_invalid_options_set_by_hand_fail_with_the_norm_and_its_options(norm, options, message):
+    with norm_options_applied({norm: options}), pytest.raises(registry.NormBuildError, match=message) as error:
+        get_norm(norm, 16)
+    assert f"cannot build norm {norm!r} over 16 channels with options {options}" in str(error.value)
 
 
 def test_detectron2s_build_model_uses_the_options_set_by_the_user():

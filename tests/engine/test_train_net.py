@@ -1,4 +1,5 @@
-"""tools/train_net.py end to end on the embedded dataset: train, resume, evaluate, evaluate-only."""
+"""tools/train_net.py end to end on the embedded dataset: train, resume, evaluate, evaluate-only; a
+resumed run against an uninterrupted one, and two processes with SyncSN on the CPU."""
 
 import json
 import math
@@ -7,6 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+import shrunk_training
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO_CONFIG = os.path.join(REPO, "configs", "demo_mask_rcnn_gn.yaml")
@@ -78,3 +82,51 @@ def test_eval_only_reproduces_the_final_ap(trained, tmp_path):
     assert_finite_ap(eval_only)
     for task in ("bbox", "segm"):
         assert eval_only[task]["AP"] == pytest.approx(after_training[task]["AP"], abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def extended_and_uninterrupted(tmp_path_factory):
+    """The shrunk demo with SN (batch average), DN and MGN: 3 iterations, then --resume with MAX_ITER 5
+    (a longer schedule); and 5 iterations in one run. The batch average runs every 3 iterations, so at
+    the end of the first part in both."""
+    common = [*shrunk_training.MIXED_NORMS, "TEST.EVAL_PERIOD", "3", "SEED", "4"]
+    extended, uninterrupted = tmp_path_factory.mktemp("extended"), tmp_path_factory.mktemp("uninterrupted")
+    shrunk_training.train_shrunk(*common, "SOLVER.MAX_ITER", "3", "OUTPUT_DIR", str(extended))
+    log = shrunk_training.train_shrunk(
+        *common, "SOLVER.MAX_ITER", "5", "OUTPUT_DIR", str(extended), flags=["--resume"]
+    )
+    assert "Starting training from iteration 3" in log
+    shrunk_training.train_shrunk(*common, "SOLVER.MAX_ITER", "5", "OUTPUT_DIR", str(uninterrupted))
+    return extended, uninterrupted
+
+
+def test_resumed_training_ends_with_the_uninterrupted_model(extended_and_uninterrupted):
+    extended, uninterrupted = (torch.load(path / "model_final.pth") for path in extended_and_uninterrupted)
+    assert extended["iteration"] == uninterrupted["iteration"] == 4
+    assert extended["model"].keys() == uninterrupted["model"].keys()
+    for key, value in uninterrupted["model"].items():
+        assert torch.equal(extended["model"][key], value), key
+    assert any(key.endswith("running_var") for key in uninterrupted["model"])
+    for state in extended["trainer"]["hooks"]["BatchAverage"], uninterrupted["trainer"]["hooks"]["BatchAverage"]:
+        assert state == {"batches_read": 4}
+
+
+def test_two_processes_with_syncsn_on_the_cpu(tmp_path):
+    """--num-gpus 2 without a GPU: two gloo processes train the shrunk demo with SyncSN everywhere (2
+    images each), average its statistics over both processes' batches, checkpoint and evaluate."""
+    sync_everywhere = [
+        "MODEL.RESNETS.NORM", "SyncSN", "MODEL.FPN.NORM", "SyncSN", "MODEL.ROI_BOX_HEAD.NORM", "SyncSN",
+        "MODEL.ROI_MASK_HEAD.NORM", "SyncSN", "TEST.BATCH_AVERAGE.ENABLED", "True",
+        "TEST.BATCH_AVERAGE.NUM_BATCHES", "2",
+    ]  # fmt: skip
+    log = shrunk_training.train_shrunk(
+        *sync_everywhere, "SOLVER.IMS_PER_BATCH", "4", "SOLVER.MAX_ITER", "2", "DATASETS.TEST", "('sn_shapes_val',)",
+        "OUTPUT_DIR", str(tmp_path), flags=["--num-gpus", "2", "--dist-url", "auto"],
+    )  # fmt: skip
+    assert "World size: 2" in log
+    assert "Final results on sn_shapes_val: bbox AP" in log
+    with open(tmp_path / "eval_results.json") as f:
+        assert_finite_ap(json.load(f)["sn_shapes_val"])
+    model = torch.load(tmp_path / "model_final.pth")["model"]
+    statistics = [value for key, value in model.items() if key.endswith(("running_mean", "running_var"))]
+    assert statistics and all(value.isfinite().all() for value in statistics)

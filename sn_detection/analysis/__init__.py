@@ -1,0 +1,38 @@
+"""What the learned normalization layers chose: SN's importance weights, DN's pooling, MN / MGN gates.
+
+Pure PyTorch and matplotlib, no detectron2: ``choices`` reads SN / DN layers from a model or a state
+dict, ``gates`` observes MN / MGN gates on inputs, ``summary`` averages per network component,
+``report`` and ``plots`` write markdown, CSV and PNG. The detectron2 side (which module names form
+which component, the training hook, the command-line tool) is in ``sn_detection.d2`` and
+``sn_detection.engine``.
+"""
+
+from .choices import (
+    DynamicChoice,
+    ModeGates,
+    SwitchableChoice,
+    choices_from_state_dict,
+    learned_choices,
+    mode_layers,
+    mode_layers_in_state_dict,
+)
+from .gates import GateRecorder, gate_probabilities
+from .plots import plot_evolution
+from .report import write_report
+from .summary import ComponentSummary, summarize
+
+__all__ = [
+    "ComponentSummary",
+    "DynamicChoice",
+    "GateRecorder",
+    "ModeGates",
+    "SwitchableChoice",
+    "choices_from_state_dict",
+    "gate_probabilities",
+    "learned_choices",
+    "mode_layers",
+    "mode_layers_in_state_dict",
+    "plot_evolution",
+    "summarize",
+    "write_report",
+]

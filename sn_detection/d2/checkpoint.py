@@ -1,0 +1,103 @@
+"""Loading a model's weights (``MODEL.WEIGHTS``, or the last checkpoint when resuming) with clear errors.
+
+detectron2's ``DetectionCheckpointer`` fails with a bare AssertionError on a missing file and with
+whatever pickle or torch raise on a file that is no checkpoint (``invalid load key``, ``Ran out of
+input``, ...), and it loads a checkpoint none of whose tensors fit the model with warnings only: training
+then starts from scratch without saying so. ``CheckedCheckpointer`` loads exactly as detectron2 does
+(model-zoo pickles, the matching heuristics, partial loads that warn about missing, unexpected or
+mis-shaped keys, as when finetuning with another number of classes) and raises instead:
+
+- ``FileNotFoundError`` for a local file that does not exist;
+- ``ValueError`` for a file that no reader takes, or whose model entry is not a dict of tensors (the
+  training checkpoint of another code base, say);
+- ``ValueError`` when not one tensor of the checkpoint loads into the model: a checkpoint of another
+  architecture, or an ImageNet model that ``tools/convert_pretrained.py`` has not converted.
+
+Saving is unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+from detectron2.checkpoint import DetectionCheckpointer
+
+_EXAMPLES = 3  # keys quoted in a message
+
+
+class CheckedCheckpointer(DetectionCheckpointer):
+    """``DetectionCheckpointer`` whose loading fails clearly (see the module docstring)."""
+
+    _loading = None  # the path being loaded, for messages
+
+    def load(self, path, *args, **kwargs):
+        if path and not urlparse(path).scheme:  # a local file (URLs are fetched by detectron2)
+            local = urlparse(path)._replace(query="").geturl()
+            if not os.path.isfile(local):
+                raise FileNotFoundError(f"checkpoint {local} does not exist")
+        self._loading = path
+        try:
+            return super().load(path, *args, **kwargs)
+        finally:
+            self._loading = None
+
+    def _load_file(self, filename):
+        try:
+            checkpoint = super()._load_file(filename)
+        except OSError:  # unreadable: the system's message names the file and the reason
+            raise
+        except Exception as error:  # pickle and torch raise many types for a file of the wrong kind
+            raise ValueError(f"{filename} is not a checkpoint: {_first_line(error)}") from error
+        _check_weights(filename, checkpoint["model"])
+        return checkpoint
+
+    def _load_model(self, checkpoint):
+        incompatible = super()._load_model(checkpoint)
+        # detectron2 takes pixel_mean / pixel_std from the config when the checkpoint lacks them
+        from_config = set(dict(self.model.named_buffers(recurse=False)))
+        not_loaded = set(incompatible.missing_keys) | from_config
+        if set(self.model.state_dict()) <= not_loaded:
+            raise ValueError(f"no tensor of {self._loading} fits the model{_mismatches(incompatible)}. Is it a "
+                             "checkpoint of another architecture, or an ImageNet model to convert with "
+                             "tools/convert_pretrained.py?")
+        return incompatible
+
+
+def _check_weights(filename: str, weights) -> None:
+    """The model entry of a checkpoint must map names to tensors (or numpy arrays: model-zoo pickles)."""
+    if not isinstance(weights, Mapping):
+        raise ValueError(f"{filename} holds a {type(weights).__name__}, not a dict of model weights")
+    for key, value in weights.items():
+        if not isinstance(value, (torch.Tensor, np.ndarray)):
+            raise ValueError(
+                f"{filename} holds no model weights detectron2 can load: its entry {key!r} is a "
+                f"{type(value).__name__}, not a tensor (a checkpoint of another code base? ImageNet models are "
+                "converted by tools/convert_pretrained.py)"
+            )
+
+
+def _mismatches(incompatible) -> str:
+    """What did not fit, for the message: the unexpected keys and those of another shape."""
+    parts = []
+    if incompatible.unexpected_keys:
+        parts.append(f"{len(incompatible.unexpected_keys)} keys the model does not have "
+                     f"(e.g. {_examples(incompatible.unexpected_keys)})")
+    if incompatible.incorrect_shapes:
+        shapes = [f"{key} ({tuple(theirs)} in the file, {tuple(ours)} in the model)"
+                  for key, theirs, ours in incompatible.incorrect_shapes]
+        parts.append(f"{len(shapes)} of another shape (e.g. {_examples(shapes)})")
+    return ": " + "; ".join(parts) if parts else ""
+
+
+def _examples(keys) -> str:
+    keys = list(keys)
+    return ", ".join(str(key) for key in keys[:_EXAMPLES]) + (", ..." if len(keys) > _EXAMPLES else "")
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__

@@ -1,0 +1,122 @@
+"""tools/demo.py: a trained model's predictions drawn on images with detectron2's ``Visualizer``.
+
+The images are the first ``--num-images`` of a registered dataset (``--dataset``, default the embedded
+``sn_shapes_val``), drawn as predictions | ground truth side by side, or the files given with
+``--input`` (paths or glob patterns), drawn as predictions. Each one is written as a PNG into
+``--output`` (default OUTPUT_DIR/demo). The model is the config's with its trained weights (see
+``trained``); it runs as detectron2's ``DefaultPredictor`` runs it (shortest edge resized to
+INPUT.MIN_SIZE_TEST, at most MAX_SIZE_TEST, images in INPUT.FORMAT), but built by
+``sn_detection.d2.build_model`` so that our norms get the config's options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from detectron2.data import DatasetCatalog, MetadataCatalog
+from detectron2.data import transforms as T
+from detectron2.data.detection_utils import convert_image_to_rgb, read_image
+from detectron2.structures import Instances
+from detectron2.utils.visualizer import Visualizer
+from PIL import Image
+
+from ..data.datasets import register_shapes_datasets
+from .launch import load_cfg
+from .trained import load_trained_model
+
+OUTPUT_FOLDER = "demo"
+# The embedded images are small (128-320 px): draw them enlarged so that labels stay readable.
+DRAW_SCALE = 2.0
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Draw a trained model's predictions on images.")
+    parser.add_argument("--config-file", metavar="FILE", required=True)
+    parser.add_argument("--input", nargs="+", metavar="PATH", help="image files or glob patterns (default: --dataset)")
+    parser.add_argument("--dataset", default="sn_shapes_val", help="registered dataset to draw (sn_shapes_val)")
+    parser.add_argument("--num-images", type=int, default=8, help="at most this many images (8)")
+    parser.add_argument("--output", metavar="DIR", help=f"default: OUTPUT_DIR/{OUTPUT_FOLDER}")
+    parser.add_argument("--confidence-threshold", type=float, default=0.25, help="lowest score drawn (0.25)")
+    parser.add_argument(
+        "opts",
+        nargs=argparse.REMAINDER,
+        help="KEY VALUE config overrides; MODEL.WEIGHTS FILE picks the weights, otherwise the last "
+        "checkpoint in OUTPUT_DIR",
+    )
+    args = parser.parse_args(argv)
+    if args.num_images < 1:
+        parser.error(f"--num-images must be >= 1, got {args.num_images}")
+    return args
+
+
+def input_files(patterns: Sequence[str]) -> list[str]:
+    """The files named by ``patterns`` (paths or globs), in order, each pattern's matches sorted."""
+    files = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(os.path.expanduser(pattern)))
+        if not matches:
+            raise FileNotFoundError(f"--input {pattern!r} matches no file")
+        files.extend(matches)
+    return files
+
+
+def dataset_records(name: str, num_images: int) -> list[dict]:
+    """The first ``num_images`` records of the registered dataset ``name``."""
+    if name not in DatasetCatalog.list():
+        raise ValueError(f"unknown dataset {name!r}; registered datasets are {sorted(DatasetCatalog.list())}")
+    return DatasetCatalog.get(name)[:num_images]
+
+
+def predict(model: torch.nn.Module, cfg, image: np.ndarray) -> Instances:
+    """The predicted instances of ``model`` (evaluation mode) for ``image`` (H, W, 3 in INPUT.FORMAT), in
+    the image's coordinates, on the CPU."""
+    height, width = image.shape[:2]
+    resize = T.ResizeShortestEdge([cfg.INPUT.MIN_SIZE_TEST] * 2, cfg.INPUT.MAX_SIZE_TEST)
+    resized = resize.get_transform(image).apply_image(image)
+    tensor = torch.as_tensor(np.ascontiguousarray(resized.transpose(2, 0, 1)).astype("float32"))
+    with torch.no_grad():
+        outputs = model([{"image": tensor, "height": height, "width": width}])[0]
+    return outputs["instances"].to("cpu")
+
+
+def draw(image_rgb: np.ndarray, instances: Instances, metadata, record: Optional[dict] = None) -> np.ndarray:
+    """The predictions drawn on the image, with the ground truth of ``record`` beside them if given."""
+    drawn = Visualizer(image_rgb, metadata, scale=DRAW_SCALE).draw_instance_predictions(instances).get_image()
+    if record is None:
+        return drawn
+    truth = Visualizer(image_rgb, metadata, scale=DRAW_SCALE).draw_dataset_dict(record).get_image()
+    return np.concatenate([drawn, truth], axis=1)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> list[str]:
+    """Run tools/demo.py; returns the images written."""
+    args = parse_args(argv)
+    cfg = load_cfg(args.config_file, args.opts)
+    register_shapes_datasets()
+    if args.input:
+        items = [(path, None) for path in input_files(args.input)[: args.num_images]]
+        metadata = MetadataCatalog.get(cfg.DATASETS.TEST[0] if cfg.DATASETS.TEST else cfg.DATASETS.TRAIN[0])
+    else:
+        items = [(record["file_name"], record) for record in dataset_records(args.dataset, args.num_images)]
+        metadata = MetadataCatalog.get(args.dataset)
+    model, weights = load_trained_model(cfg, args.opts)
+    output_dir = args.output or os.path.join(cfg.OUTPUT_DIR, OUTPUT_FOLDER)
+    os.makedirs(output_dir, exist_ok=True)
+    written = []
+    for index, (path, record) in enumerate(items):
+        image = read_image(path, format=cfg.INPUT.FORMAT)
+        instances = predict(model, cfg, image)
+        shown = instances[instances.scores >= args.confidence_threshold]
+        picture = draw(convert_image_to_rgb(image, cfg.INPUT.FORMAT), shown, metadata, record)
+        target = os.path.join(output_dir, f"{index:03d}_{os.path.splitext(os.path.basename(path))[0]}.png")
+        Image.fromarray(picture).save(target)
+        written.append(target)
+        print(f"{path}: {len(shown)} detections with score >= {args.confidence_threshold} -> {target}")
+    layout = "predictions | ground truth" if not args.input else "predictions"
+    print(f"Demo of {weights or 'the untrained model'}: {len(written)} images ({layout}) in {output_dir}")
+    return written

@@ -1,0 +1,87 @@
+"""Weights given to a model (MODEL.WEIGHTS) that cannot be what the user meant fail with a message
+naming the file and the problem; weights that fit in part load as detectron2 loads them."""
+
+import pickle
+
+import pytest
+import torch
+from tiny_rcnn import tiny_cfg
+
+from sn_detection.d2 import CheckedCheckpointer, build_model
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return build_model(tiny_cfg("SN", "c4"))
+
+
+def load(model, path):
+    CheckedCheckpointer(model).load(str(path))
+
+
+def test_a_missing_file(model, tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"checkpoint {tmp_path / 'absent.pth'} does not exist"):
+        load(model, tmp_path / "absent.pth")
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [("garbage.pth", bytes(range(256)) * 8), ("garbage.pkl", bytes(range(256)) * 8), ("empty.pth", b"")],
+)
+def test_a_file_that_is_no_checkpoint(model, tmp_path, name, content):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=f"{tmp_path / name} is not a checkpoint: (UnpicklingError|EOFError)"):
+        load(model, tmp_path / name)
+
+
+def test_a_pickle_of_something_else(model, tmp_path):
+    path = tmp_path / "list.pkl"
+    path.write_bytes(pickle.dumps([1, 2, 3]))
+    with pytest.raises(ValueError, match=f"{path} is not a checkpoint"):
+        load(model, path)
+
+
+def test_the_training_checkpoint_of_another_code_base(model, tmp_path):
+    """The SN authors' ImageNet checkpoints hold {"state_dict": ..., "epoch": ...}."""
+    path = tmp_path / "resnet50_sn.pth"
+    torch.save({"state_dict": {"module.conv1.weight": torch.zeros(64, 3, 7, 7)}, "epoch": 100}, path)
+    with pytest.raises(ValueError) as error:
+        load(model, path)
+    message = str(error.value)
+    assert f"{path} holds no model weights" in message and "'state_dict' is a dict, not a tensor" in message
+    assert "tools/convert_pretrained.py" in message
+
+
+def test_weights_that_fit_no_key_of_the_model(model, tmp_path):
+    """An unconverted torchvision ResNet: none of its names is a detectron2 name."""
+    path = tmp_path / "resnet50.pth"
+    torch.save({"conv1.weight": torch.zeros(64, 3, 7, 7), "bn1.running_mean": torch.zeros(64)}, path)
+    with pytest.raises(ValueError) as error:
+        load(model, path)
+    message = str(error.value)
+    assert message.startswith(f"no tensor of {path} fits the model: 2 keys the model does not have")
+    assert "conv1.weight" in message and "tools/convert_pretrained.py" in message
+
+
+def test_weights_of_another_shape_everywhere(model, tmp_path):
+    path = tmp_path / "other_widths.pth"
+    torch.save({key: torch.zeros(1, *value.shape) for key, value in model.state_dict().items()}, path)
+    with pytest.raises(ValueError, match=f"no tensor of {path} fits the model: .* of another shape"):
+        load(model, path)
+
+
+def test_weights_that_fit_in_part_load_as_in_detectron2(model, tmp_path):
+    """E.g. a backbone without heads, or heads for another number of classes: detectron2 warns."""
+    source = build_model(tiny_cfg("SN", "c4"))
+    with torch.no_grad():
+        for parameter in source.parameters():
+            parameter.add_(1.0)
+    state = {key: value for key, value in source.state_dict().items() if key.startswith("backbone.")}
+    state["roi_heads.box_predictor.cls_score.weight"] = torch.zeros(2, 2)  # another shape
+    path = tmp_path / "backbone.pth"
+    torch.save({"model": state}, path)
+    load(model, path)
+    for key, value in model.state_dict().items():
+        if key.startswith("backbone."):
+            torch.testing.assert_close(value, state[key], msg=key)
