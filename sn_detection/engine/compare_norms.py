@@ -1,0 +1,360 @@
+"""tools/compare_norms.py: the same CPU-sized Mask R-CNN trained from scratch once per norm setting and
+seed, evaluated (COCO box and mask AP), and the results written as a table, a CSV and plots
+(``sn_detection.evidence``).
+
+Choices:
+
+- **A subprocess of tools/train_net.py per run**, not an in-process call: every run starts from a fresh
+  interpreter, so nothing carries over between runs (detectron2's catalogs, loggers and event storage,
+  our norm options, allocator state, RNGs), a crash or an out-of-memory kill loses that run only, and a
+  run is exactly the train_net command recorded in its folder (``sweep_run.json``), reproducible by hand.
+  The price, a few seconds of start-up per run, is small next to minutes of training.
+- **Sequential runs**: the machine this is sized for has 2 cores, which one run already uses.
+- **Settings**: ``NORM`` puts one norm in the backbone, FPN and both heads; ``BACKBONE/HEAD`` puts
+  ``HEAD`` in the FPN and the box and mask heads (the FPN is new, like the heads: the configs' rule).
+- **Test statistics**: a setting with a norm that has batch-dependent test statistics (decided by the
+  batch-average hook's own ``has_batch_statistics`` on a layer built with the config's options: BN, SN,
+  DN, not GN or MGN) evaluates after the SN paper's batch average over ``TEST.BATCH_AVERAGE.NUM_BATCHES``
+  training batches. BN gets it too (the hook recomputes torch BN's running statistics exactly), so
+  that every norm with batch statistics is tested with the same estimator; detectron2's PreciseBN, the
+  same idea, is not used on top.
+- **Budget**: ``--iters N`` scales the config's schedule linearly (``SOLVER.STEPS`` and
+  ``WARMUP_ITERS`` by N / MAX_ITER); without it the config's schedule is used as is.
+- **Resume**: each run has its own folder, ``OUTPUT_DIR/<setting>/seed<k>``; a run is finished when its
+  ``eval_results.json`` exists and is then skipped. Any other started run is run again with train_net's
+  ``--resume``: detectron2 continues from the folder's last checkpoint, or starts over if there is none
+  (then the metrics of the abandoned attempt are removed, so the learning curve is that of one
+  training). A folder whose record has other train_net arguments than planned is an error before
+  anything runs: one sweep never mixes budgets or configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from detectron2.checkpoint import DetectionCheckpointer
+from torch import nn
+
+from ..d2 import get_norm, norm_options_applied, norm_options_from_cfg, valid_norm_names
+from ..d2.hooks import has_batch_statistics
+from ..evidence import plots, report
+from ..evidence.runs import METRICS_FILE, RunResult, is_finished, loss_curve, read_record, read_result, write_record
+from .launch import load_cfg
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN_NET = os.path.join(REPO_ROOT, "tools", "train_net.py")
+DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "demo_compare_norms.yaml")
+DEFAULT_SETTINGS = ("BN", "GN", "SN", "DN", "MGN", "SN/GN", "GN/SN")
+DEFAULT_SEEDS = (1, 2, 3)
+DEFAULT_OUTPUT_DIR = os.path.join("output", "compare_norms")
+HEAD_NORM_KEYS = ("MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
+TRAIN_LOG = "train_net.log"
+# what the sweep writes into its output folder
+TABLE_FILE, CSV_FILE, AP_PLOT_FILE, CURVES_FILE = "results.md", "results.csv", "ap.png", "loss_curves.png"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The norm of the backbone and the norm of the FPN and both RoI heads."""
+
+    backbone: str
+    head: str
+
+    @property
+    def name(self) -> str:
+        return self.backbone if self.backbone == self.head else f"{self.backbone}/{self.head}"
+
+    @property
+    def folder_name(self) -> str:
+        return self.name.replace("/", "-")
+
+    def norm_overrides(self) -> list[str]:
+        overrides = ["MODEL.RESNETS.NORM", self.backbone]
+        for key in HEAD_NORM_KEYS:
+            overrides += [key, self.head]
+        return overrides
+
+
+def parse_setting(text: str) -> Setting:
+    """``NORM`` (everywhere) or ``BACKBONE/HEAD``, with names of ``valid_norm_names()``."""
+    parts = text.split("/")
+    valid = valid_norm_names()
+    if len(parts) > 2 or any(part not in valid for part in parts):
+        raise ValueError(f"setting {text!r}: expected NORM or BACKBONE/HEAD with norms from {list(valid)}")
+    return Setting(parts[0], parts[-1])
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One planned run: a setting, a seed, and the exact train_net arguments."""
+
+    setting: Setting
+    seed: int
+    iterations: int
+    batch_average: int  # batches of the batch average; 0: none
+    folder: str
+    train_args: tuple[str, ...]  # --config-file FILE and KEY VALUE overrides, OUTPUT_DIR last
+
+    def command(self) -> list[str]:
+        return [sys.executable, TRAIN_NET, "--resume", *self.train_args]
+
+    def new_record(self) -> dict:
+        return {
+            "setting": self.setting.name,
+            "backbone": self.setting.backbone,
+            "head": self.setting.head,
+            "seed": self.seed,
+            "iterations": self.iterations,
+            "batch_average": self.batch_average,
+            "train_args": list(self.train_args),
+            "attempts": [],
+        }
+
+
+def scaled_schedule(cfg, iterations: int) -> list[str]:
+    """Overrides for a ``iterations``-long version of cfg's schedule: LR steps and warm-up scaled by
+    iterations / MAX_ITER (steps that would fall on or after the end are dropped)."""
+    if iterations < 1:
+        raise ValueError(f"the number of iterations must be >= 1, got {iterations}")
+    factor = iterations / cfg.SOLVER.MAX_ITER
+    steps = sorted({round(step * factor) for step in cfg.SOLVER.STEPS} & set(range(1, iterations)))
+    return [
+        "SOLVER.MAX_ITER", str(iterations),
+        "SOLVER.STEPS", str(tuple(steps)),
+        "SOLVER.WARMUP_ITERS", str(round(cfg.SOLVER.WARMUP_ITERS * factor)),
+    ]  # fmt: skip
+
+
+def has_batch_statistics_norm(cfg, norm: str) -> bool:
+    """Whether a ``norm`` layer built with cfg's options has batch-dependent test statistics."""
+    with norm_options_applied(norm_options_from_cfg(cfg)):
+        return has_batch_statistics(get_norm(norm, 64))
+
+
+def plan_runs(
+    cfg,
+    config_file: str,
+    settings: Sequence[Setting],
+    seeds: Sequence[int],
+    output_dir: str,
+    iterations: Optional[int] = None,
+    batch_average_batches: Optional[int] = None,
+    opts: Sequence[str] = (),
+) -> list[RunSpec]:
+    """The runs of the sweep, settings outermost. ``cfg`` is ``config_file`` with ``opts`` (KEY VALUE), which
+    apply to every run; the sweep's own keys (norms, batch average, seed, schedule) come after them and win."""
+    if len(set(settings)) != len(settings) or len(set(seeds)) != len(seeds):
+        raise ValueError(f"settings and seeds must not repeat: {[s.name for s in settings]}, {list(seeds)}")
+    if any(seed < 0 for seed in seeds):
+        raise ValueError(f"seeds must be >= 0 (detectron2 draws a random seed for a negative one), got {list(seeds)}")
+    if batch_average_batches is not None and batch_average_batches < 0:
+        raise ValueError(f"the number of batch-average batches must be >= 0, got {batch_average_batches}")
+    config_file = os.path.abspath(config_file)
+    schedule = scaled_schedule(cfg, iterations) if iterations is not None else []
+    num_batches = cfg.TEST.BATCH_AVERAGE.NUM_BATCHES if batch_average_batches is None else batch_average_batches
+    runs = []
+    for setting in settings:
+        batch_stats = any(has_batch_statistics_norm(cfg, norm) for norm in (setting.backbone, setting.head))
+        batch_average = num_batches if batch_stats else 0
+        average = ["TEST.BATCH_AVERAGE.ENABLED", str(batch_average > 0)]
+        if batch_average:
+            average += ["TEST.BATCH_AVERAGE.NUM_BATCHES", str(batch_average)]
+        for seed in seeds:
+            folder = os.path.abspath(os.path.join(output_dir, setting.folder_name, f"seed{seed}"))
+            overrides = [*opts, *setting.norm_overrides(), *average, "SEED", str(seed), *schedule]
+            runs.append(
+                RunSpec(
+                    setting=setting,
+                    seed=seed,
+                    iterations=iterations or cfg.SOLVER.MAX_ITER,
+                    batch_average=batch_average,
+                    folder=folder,
+                    train_args=("--config-file", config_file, *overrides, "OUTPUT_DIR", folder),
+                )
+            )
+    return runs
+
+
+def check_folders(runs: Sequence[RunSpec]) -> None:
+    """Fail before anything runs if a run's folder holds something other than that run."""
+    for run in runs:
+        record = read_record(run.folder)
+        if record is None:
+            if os.path.isdir(run.folder) and os.listdir(run.folder):
+                raise ValueError(f"{run.folder} is not empty and was not made by this sweep: use another --output-dir")
+        elif record["train_args"] != list(run.train_args):
+            raise ValueError(
+                f"{run.folder} holds a run with other train_net arguments than planned:\n  "
+                f"{' '.join(record['train_args'])}\ninstead of\n  {' '.join(run.train_args)}\n"
+                "use another --output-dir, or remove that folder to run it again"
+            )
+
+
+def child_environment() -> dict:
+    """The environment of a train_net run: this one, with this sn_detection first on the import path,
+    so that the run uses the same package as the sweep even where it is not installed."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
+    return env
+
+
+def has_checkpoint(folder: str) -> bool:
+    """Whether train_net's --resume would continue from a checkpoint in ``folder`` (asked of detectron2's
+    checkpointer, which needs a model to be built; an empty one does)."""
+    return DetectionCheckpointer(nn.Module(), save_dir=folder).has_checkpoint()
+
+
+def execute(run: RunSpec) -> bool:
+    """Run (or resume) ``run`` with train_net, its output into the run folder's train_net.log; returns
+    whether it finished. Every attempt, interrupted ones too, is added to the run's record."""
+    record = read_record(run.folder) or run.new_record()
+    resumed = has_checkpoint(run.folder)
+    stale_metrics = os.path.join(run.folder, METRICS_FILE)
+    if not resumed and os.path.isfile(stale_metrics):
+        os.remove(stale_metrics)  # train_net appends: a restart from scratch must not extend the old curve
+    write_record(run.folder, record)
+    start, returncode = time.perf_counter(), None
+    try:
+        with open(os.path.join(run.folder, TRAIN_LOG), "a") as log:
+            returncode = subprocess.call(run.command(), stdout=log, stderr=subprocess.STDOUT, env=child_environment())
+    finally:
+        attempt = {"wall_s": round(time.perf_counter() - start, 1), "returncode": returncode, "resumed": resumed}
+        record["attempts"].append(attempt)
+        write_record(run.folder, record)
+    return returncode == 0 and is_finished(run.folder)
+
+
+def run_sweep(runs: Sequence[RunSpec], report_after_each: Optional[Callable[[], object]] = None) -> list[RunSpec]:
+    """Runs every unfinished run in order (``check_folders(runs)`` first); returns the runs that failed.
+    ``report_after_each()`` is called after each run, so an interrupted sweep leaves the tables of what it
+    finished."""
+    failed = []
+    for i, run in enumerate(runs, 1):
+        label = f"[{i}/{len(runs)}] {run.setting.name} seed {run.seed}"
+        if is_finished(run.folder):
+            logger.info("%s: finished earlier, skipped (%s)", label, run.folder)
+            continue
+        logger.info("%s: training %d iterations (log: %s)", label, run.iterations, os.path.join(run.folder, TRAIN_LOG))
+        if execute(run):
+            result = read_result(run.folder)
+            logger.info(
+                "%s: box AP %.1f, mask AP %.1f, %.0f s",
+                label, result.metrics["box_AP"], result.metrics["mask_AP"], result.wall_s,
+            )  # fmt: skip
+        else:
+            failed.append(run)
+            logger.error("%s: failed, see %s", label, os.path.join(run.folder, TRAIN_LOG))
+        if report_after_each is not None:
+            report_after_each()
+    return failed
+
+
+def describe(cfg, config_file: str, runs: Sequence[RunSpec]) -> str:
+    """The paragraph above the results table: what was trained and evaluated, and how to read it."""
+    relative = os.path.relpath(os.path.abspath(config_file), REPO_ROOT)
+    config = relative if not relative.startswith("..") else config_file
+    seeds = sorted({run.seed for run in runs})
+    iterations = sorted({run.iterations for run in runs})
+    init = "from scratch" if not cfg.MODEL.WEIGHTS else f"from `{cfg.MODEL.WEIGHTS}`"
+    return (
+        f"Mask R-CNN R{cfg.MODEL.RESNETS.DEPTH}-FPN (`{config}`: {cfg.INPUT.MIN_SIZE_TEST} px inputs, FPN and "
+        f"heads {cfg.MODEL.FPN.OUT_CHANNELS} wide) trained {init} on `{cfg.DATASETS.TRAIN[0]}` at "
+        f"{cfg.SOLVER.IMS_PER_BATCH} images per batch for {', '.join(map(str, iterations))} iterations "
+        f"(LR {cfg.SOLVER.BASE_LR}), once per seed ({', '.join(map(str, seeds))}); COCO box and mask AP "
+        f"on `{cfg.DATASETS.TEST[0]}`, mean ± sample standard deviation over the seeds. A setting is the "
+        "backbone's norm, then that of the FPN and both heads. *Test statistics*: with *batch average (K)*, "
+        "the batch-dependent statistics (BN's running statistics, SN's BN branch, DN's) are recomputed from "
+        "K training batches before evaluation (`TEST.BATCH_AVERAGE`, the SN paper's batch average; for BN "
+        "it replaces the moving average, as detectron2's PreciseBN would); *–*: the setting has none. "
+        "s/iter (median over training) and min/run (start-up, training, batch average and evaluation) are "
+        f"wall-clock times on {os.cpu_count()} CPU cores, noisy where other work shared the machine."
+    )
+
+
+def write_outputs(
+    runs: Sequence[RunSpec], output_dir: str, description: str, publish: Optional[str]
+) -> list[RunResult]:
+    """The table, CSV and plots of the finished runs among ``runs`` (nothing before the first one);
+    the table also to ``publish`` if given. Returns the results."""
+    results = [read_result(run.folder) for run in runs if is_finished(run.folder)]
+    if not results:
+        logger.info("No finished run yet: no table written")
+        return results
+    order = list(dict.fromkeys(run.setting.name for run in runs))
+    summaries = report.summarize(results, order)
+    started = [run for run in runs if read_record(run.folder) is not None]
+    unfinished = [f"{run.setting.name} seed {run.seed}" for run in started if not is_finished(run.folder)]
+    os.makedirs(output_dir, exist_ok=True)
+    report.write_markdown(os.path.join(output_dir, TABLE_FILE), description, summaries, unfinished)
+    report.write_csv(os.path.join(output_dir, CSV_FILE), results, summaries)
+    plots.plot_ap(summaries, results, os.path.join(output_dir, AP_PLOT_FILE))
+    curves = {name: {} for name in order}
+    for run in runs:
+        curves[run.setting.name][run.seed] = loss_curve(run.folder)
+    plots.plot_loss_curves({name: seeds for name, seeds in curves.items() if any(seeds.values())},
+                           os.path.join(output_dir, CURVES_FILE))  # fmt: skip
+    if publish:
+        report.write_markdown(publish, description, summaries, unfinished)
+    return results
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Train the same CPU-sized Mask R-CNN once per norm setting and seed and compare COCO AP."
+    )
+    parser.add_argument("--config-file", default=DEFAULT_CONFIG, metavar="FILE", help="the base config (%(default)s)")
+    parser.add_argument(
+        "--settings", nargs="+", default=list(DEFAULT_SETTINGS), metavar="SETTING",
+        help="NORM (backbone, FPN, heads) or BACKBONE/HEAD; default: %(default)s",
+    )  # fmt: skip
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="default: %(default)s")
+    parser.add_argument("--iters", type=int, help="iterations per run, the schedule scaled (default: the config's)")
+    parser.add_argument(
+        "--batch-average-batches", type=int, metavar="K",
+        help="batches of the batch average for settings with batch statistics; 0: none (default: the config's)",
+    )  # fmt: skip
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help="one folder per run in it (%(default)s)")
+    parser.add_argument("--publish", metavar="FILE", help="also write the table here, e.g. model_zoo/compare_norms.md")
+    parser.add_argument("--report-only", action="store_true", help="only write the tables and plots of finished runs")
+    parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides for every run")
+    args = parser.parse_args(argv)
+    try:
+        args.settings = [parse_setting(text) for text in args.settings]
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Returns the exit status: 1 if a run failed."""
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s compare_norms] %(message)s", datefmt="%H:%M:%S")
+    args = parse_args(argv)
+    cfg = load_cfg(os.path.abspath(args.config_file), list(args.opts))
+    try:
+        runs = plan_runs(
+            cfg, args.config_file, args.settings, args.seeds, args.output_dir, args.iters, args.batch_average_batches,
+            args.opts,
+        )  # fmt: skip
+        check_folders(runs)
+    except ValueError as error:
+        raise SystemExit(f"compare_norms: error: {error}") from None
+    description = describe(cfg, args.config_file, runs)
+
+    def write():
+        return write_outputs(runs, args.output_dir, description, args.publish)
+
+    failed = [] if args.report_only else run_sweep(runs, report_after_each=write)
+    results = write()
+    logger.info("%d of %d runs finished; results in %s", len(results), len(runs), args.output_dir)
+    if failed:
+        logger.error("failed runs: %s", ", ".join(f"{run.setting.name} seed {run.seed}" for run in failed))
+    return 1 if failed else 0

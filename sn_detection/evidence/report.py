@@ -1,0 +1,133 @@
+"""The results of the norm comparison: mean ± std over seeds per setting, as a markdown table and a CSV.
+
+The spread is the sample standard deviation (n - 1 in the denominator) of the seeds' values; with a
+single run it is undefined: NaN in the CSV, left out of the table. A setting's mean is over its
+finished runs only, and the table says how many there were.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from .runs import AP_METRICS, RunResult
+
+# What is averaged: the AP columns, then the cost and the end of the learning curve.
+SUMMARY_COLUMNS = (*AP_METRICS, "wall_s", "s_per_iter", "final_loss")
+CSV_COLUMNS = ("kind", "setting", "backbone", "head", "batch_average", "seed", "runs", "iterations",
+               *SUMMARY_COLUMNS, "folder")  # fmt: skip
+# markdown column -> summary column, for the value columns
+_TABLE_VALUES = {"box AP": "box_AP", "box AP50": "box_AP50", "mask AP": "mask_AP", "mask AP50": "mask_AP50"}
+
+
+@dataclass(frozen=True)
+class SettingSummary:
+    setting: str
+    backbone: str
+    head: str
+    batch_average: int
+    iterations: int
+    seeds: tuple[int, ...]
+    mean: dict[str, float]
+    std: dict[str, float]  # NaN with a single run
+
+    @property
+    def runs(self) -> int:
+        return len(self.seeds)
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """The mean and the sample standard deviation (NaN for a single value) of ``values``; a NaN value
+    (a COCO AP without any detection) makes both NaN rather than failing."""
+    if not values:
+        raise ValueError("mean_std of no values")
+    mean = math.fsum(values) / len(values)
+    if len(values) == 1:
+        return mean, math.nan
+    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def run_value(result: RunResult, column: str) -> float:
+    return result.metrics[column] if column in result.metrics else getattr(result, column)
+
+
+def summarize(results: Sequence[RunResult], order: Sequence[str]) -> list[SettingSummary]:
+    """One summary per setting of ``order`` (a setting name) that has results, in that order."""
+    summaries = []
+    for setting in order:
+        runs = sorted((r for r in results if r.setting == setting), key=lambda r: r.seed)
+        if not runs:
+            continue
+        stats = {column: mean_std([run_value(r, column) for r in runs]) for column in SUMMARY_COLUMNS}
+        first = runs[0]
+        summaries.append(
+            SettingSummary(
+                setting=setting,
+                backbone=first.backbone,
+                head=first.head,
+                batch_average=first.batch_average,
+                iterations=first.iterations,
+                seeds=tuple(r.seed for r in runs),
+                mean={column: mean for column, (mean, _) in stats.items()},
+                std={column: std for column, (_, std) in stats.items()},
+            )
+        )
+    return summaries
+
+
+def format_mean_std(mean: float, std: float, digits: int = 1) -> str:
+    if math.isnan(std):
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def statistics_label(batch_average: int) -> str:
+    """How a setting's batch-dependent test statistics were obtained, for the table."""
+    return f"batch average ({batch_average})" if batch_average else "– (none)"
+
+
+def markdown_table(summaries: Sequence[SettingSummary]) -> str:
+    header = ["setting", "backbone", "FPN + heads", "test statistics", "runs", *_TABLE_VALUES, "s/iter", "min/run"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for s in summaries:
+        values = [format_mean_std(s.mean[column], s.std[column]) for column in _TABLE_VALUES.values()]
+        cells = [
+            s.setting,
+            s.backbone,
+            s.head,
+            statistics_label(s.batch_average),
+            str(s.runs),
+            *values,
+            f"{s.mean['s_per_iter']:.2f}",
+            f"{s.mean['wall_s'] / 60:.1f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(path: str, description: str, summaries: Sequence[SettingSummary], unfinished: Sequence[str]) -> None:
+    """``description`` (a paragraph), the table, and the runs that were started but did not finish."""
+    text = description.strip() + "\n\n" + markdown_table(summaries)
+    if unfinished:
+        text += "\nFailed or unfinished runs (left out above): " + ", ".join(unfinished) + "\n"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def write_csv(path: str, results: Sequence[RunResult], summaries: Sequence[SettingSummary]) -> None:
+    """One row per run (kind "run"), then a "mean" and a "std" row per setting."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for r in results:
+            common = {"backbone": r.backbone, "head": r.head, "batch_average": r.batch_average}
+            values = {column: run_value(r, column) for column in SUMMARY_COLUMNS}
+            writer.writerow({"kind": "run", "setting": r.setting, **common, "seed": r.seed, "runs": 1,
+                             "iterations": r.iterations, **values, "folder": r.folder})  # fmt: skip
+        for s in summaries:
+            common = {"setting": s.setting, "backbone": s.backbone, "head": s.head, "batch_average": s.batch_average,
+                      "seed": "", "runs": s.runs, "iterations": s.iterations, "folder": ""}  # fmt: skip
+            writer.writerow({"kind": "mean", **common, **s.mean})
+            writer.writerow({"kind": "std", **common, **s.std})

@@ -1,0 +1,114 @@
+"""One run of the norm comparison: its folder and what is read from it.
+
+A run folder is the OUTPUT_DIR of one ``tools/train_net.py`` training plus ``sweep_run.json``, the
+sweep's record of what the run is (setting, seed, schedule, the exact train_net arguments) and of each
+attempt at it (wall time, exit status). A run is finished when train_net has written its final
+evaluation, ``eval_results.json``; its learning curve is the ``total_loss`` of ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass
+
+from ..engine.trainer import RESULTS_FILE
+
+RUN_RECORD = "sweep_run.json"
+METRICS_FILE = "metrics.json"
+
+# result column -> (COCOEvaluator task, metric)
+AP_METRICS = {
+    "box_AP": ("bbox", "AP"),
+    "box_AP50": ("bbox", "AP50"),
+    "box_AP75": ("bbox", "AP75"),
+    "mask_AP": ("segm", "AP"),
+    "mask_AP50": ("segm", "AP50"),
+    "mask_AP75": ("segm", "AP75"),
+}
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A finished run: what it was, its COCO AP (``AP_METRICS``) and its cost."""
+
+    setting: str
+    backbone: str
+    head: str
+    seed: int
+    iterations: int
+    batch_average: int  # batches of the batch average before evaluation; 0: none
+    metrics: dict[str, float]
+    wall_s: float  # all attempts together
+    s_per_iter: float  # median of train_net's per-iteration time
+    final_loss: float  # the last logged total_loss (detectron2's 20-iteration median)
+    folder: str
+
+
+def is_finished(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, RESULTS_FILE))
+
+
+def read_record(folder: str) -> dict | None:
+    """The run record of ``folder``, or None if the sweep never started a run there."""
+    path = os.path.join(folder, RUN_RECORD)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_record(folder: str, record: dict) -> None:
+    """Write the record atomically, so an interrupted sweep never leaves half a record."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, RUN_RECORD)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def read_metrics(folder: str) -> list[dict]:
+    """The rows of metrics.json; [] if there is none."""
+    path = os.path.join(folder, METRICS_FILE)
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def loss_curve(folder: str) -> list[tuple[int, float]]:
+    """(iteration, total_loss) in iteration order. A resumed run appends to metrics.json, so an
+    iteration logged twice keeps its latest value."""
+    by_iteration = {row["iteration"]: row["total_loss"] for row in read_metrics(folder) if "total_loss" in row}
+    return sorted(by_iteration.items())
+
+
+def read_result(folder: str) -> RunResult:
+    """The result of the finished run in ``folder``."""
+    record = read_record(folder)
+    if record is None or not is_finished(folder):
+        raise ValueError(f"{folder} holds no finished run of the sweep (needs {RUN_RECORD} and {RESULTS_FILE})")
+    with open(os.path.join(folder, RESULTS_FILE)) as f:
+        per_dataset = json.load(f)
+    # the first test dataset is the one evaluated (the config has a single one)
+    tasks = next(iter(per_dataset.values()))
+    missing = sorted({task for task, _ in AP_METRICS.values()} - set(tasks))
+    if missing:
+        raise ValueError(f"{folder}/{RESULTS_FILE} has no {missing} results: the comparison needs box and mask AP")
+    times = [row["time"] for row in read_metrics(folder) if "time" in row]
+    curve = loss_curve(folder)
+    return RunResult(
+        setting=record["setting"],
+        backbone=record["backbone"],
+        head=record["head"],
+        seed=record["seed"],
+        iterations=record["iterations"],
+        batch_average=record["batch_average"],
+        metrics={column: float(tasks[task][metric]) for column, (task, metric) in AP_METRICS.items()},
+        wall_s=sum(attempt["wall_s"] for attempt in record["attempts"]),
+        s_per_iter=statistics.median(times) if times else math.nan,
+        final_loss=curve[-1][1] if curve else math.nan,
+        folder=folder,
+    )

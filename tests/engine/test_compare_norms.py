@@ -1,0 +1,161 @@
+"""tools/compare_norms.py's machinery: settings, planning, and a tiny sweep end to end (tables, CSV and
+plots written; a second invocation skips finished runs and resumes an unfinished one; a failed run
+does not stop the others). The numbers of a few iterations mean nothing and are not checked."""
+
+import csv
+import dataclasses
+import json
+import os
+import subprocess
+
+import pytest
+import yaml
+
+from sn_detection.engine import compare_norms
+from sn_detection.engine.compare_norms import Setting, parse_setting, plan_runs, scaled_schedule
+from sn_detection.engine.launch import load_cfg
+from sn_detection.evidence.runs import RESULTS_FILE, read_record
+
+CONFIG = compare_norms.DEFAULT_CONFIG
+# Few iterations of a shrunk model, and an evaluation that takes seconds.
+TINY = [
+    "INPUT.MIN_SIZE_TRAIN", "(64,)", "INPUT.MAX_SIZE_TRAIN", "96", "INPUT.MIN_SIZE_TEST", "64",
+    "INPUT.MAX_SIZE_TEST", "96", "MODEL.RPN.PRE_NMS_TOPK_TEST", "100", "MODEL.RPN.POST_NMS_TOPK_TEST", "16",
+    "TEST.DETECTIONS_PER_IMAGE", "5", "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0", "DATALOADER.NUM_WORKERS", "0",
+]  # fmt: skip
+SWEEP = ["--settings", "GN", "BN/GN", "--seeds", "7", "--iters", "2", "--batch-average-batches", "1"]
+
+
+def test_settings_name_the_backbone_then_fpn_and_heads():
+    assert parse_setting("SN") == Setting("SN", "SN")
+    mixed = parse_setting("SN/GN")
+    assert (mixed.backbone, mixed.head, mixed.name, mixed.folder_name) == ("SN", "GN", "SN/GN", "SN-GN")
+    assert mixed.norm_overrides() == [
+        "MODEL.RESNETS.NORM", "SN", "MODEL.FPN.NORM", "GN", "MODEL.ROI_BOX_HEAD.NORM", "GN",
+        "MODEL.ROI_MASK_HEAD.NORM", "GN",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("text", ["XN", "SN/GN/BN", "SN/", ""])
+def test_a_bad_setting_lists_the_valid_norms(text):
+    with pytest.raises(ValueError, match=r"expected NORM or BACKBONE/HEAD with norms from \[.*'SN'.*'BN'"):
+        parse_setting(text)
+
+
+def test_the_schedule_is_scaled_from_the_config():
+    cfg = load_cfg(CONFIG, ["SOLVER.MAX_ITER", "400", "SOLVER.STEPS", "(300, 360)", "SOLVER.WARMUP_ITERS", "50"])
+    half = ["SOLVER.MAX_ITER", "200", "SOLVER.STEPS", "(150, 180)", "SOLVER.WARMUP_ITERS", "25"]
+    assert scaled_schedule(cfg, 200) == half
+    # steps that would land on the last iteration or later are dropped
+    assert scaled_schedule(cfg, 4)[:4] == ["SOLVER.MAX_ITER", "4", "SOLVER.STEPS", "(3,)"]
+    with pytest.raises(ValueError, match="iterations must be >= 1"):
+        scaled_schedule(cfg, 0)
+
+
+def test_batch_average_exactly_for_settings_with_batch_statistics(tmp_path):
+    cfg = load_cfg(CONFIG, [])
+    settings = [parse_setting(s) for s in compare_norms.DEFAULT_SETTINGS]
+    runs = plan_runs(cfg, CONFIG, settings, [1, 2], str(tmp_path), batch_average_batches=5)
+    averaged = {run.setting.name: run.batch_average for run in runs}
+    assert averaged == {"BN": 5, "GN": 0, "SN": 5, "DN": 5, "MGN": 0, "SN/GN": 5, "GN/SN": 5}
+    assert [(run.setting.name, run.seed) for run in runs[:3]] == [("BN", 1), ("BN", 2), ("GN", 1)]
+    sn_gn = next(run for run in runs if run.setting.name == "SN/GN" and run.seed == 2)
+    assert sn_gn.folder == str(tmp_path / "SN-GN" / "seed2")
+    assert sn_gn.iterations == cfg.SOLVER.MAX_ITER
+    args = sn_gn.train_args
+    assert args[args.index("TEST.BATCH_AVERAGE.ENABLED") + 1] == "True" and args[args.index("SEED") + 1] == "2"
+    assert "SOLVER.MAX_ITER" not in args  # the config's own schedule
+    off = plan_runs(cfg, CONFIG, settings[:1], [1], str(tmp_path), batch_average_batches=0)
+    assert off[0].batch_average == 0
+
+
+def test_repeated_or_negative_seeds_are_refused(tmp_path):
+    cfg = load_cfg(CONFIG, [])
+    with pytest.raises(ValueError, match="must not repeat"):
+        plan_runs(cfg, CONFIG, [Setting("GN", "GN")], [1, 1], str(tmp_path))
+    with pytest.raises(ValueError, match="seeds must be >= 0"):
+        plan_runs(cfg, CONFIG, [Setting("GN", "GN")], [-1], str(tmp_path))
+
+
+def test_a_folder_not_made_by_the_sweep_is_refused(tmp_path):
+    (tmp_path / "GN" / "seed1").mkdir(parents=True)
+    (tmp_path / "GN" / "seed1" / "model_final.pth").write_bytes(b"")
+    with pytest.raises(SystemExit, match="not made by this sweep"):
+        compare_norms.main(["--settings", "GN", "--seeds", "1", "--output-dir", str(tmp_path)])
+
+
+@pytest.fixture
+def train_net_calls(monkeypatch):
+    """The train_net commands the sweep starts (they still run); one intra-op thread, several times
+    faster than two for these tiny models on a busy machine."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    calls, call = [], subprocess.call
+
+    def counting_call(command, **kwargs):
+        calls.append(command)
+        return call(command, **kwargs)
+
+    monkeypatch.setattr(compare_norms.subprocess, "call", counting_call)
+    return calls
+
+
+def output_dirs_of(calls):
+    return [command[command.index("OUTPUT_DIR") + 1] for command in calls]
+
+
+def test_tiny_sweep_writes_its_outputs_and_resumes(tmp_path, train_net_calls):
+    output_dir, published = tmp_path / "sweep", tmp_path / "compare_norms.md"
+    arguments = [*SWEEP, "--output-dir", str(output_dir), "--publish", str(published), *TINY]
+    assert compare_norms.main(arguments) == 0
+    gn, bn_gn = str(output_dir / "GN" / "seed7"), str(output_dir / "BN-GN" / "seed7")
+    assert output_dirs_of(train_net_calls) == [gn, bn_gn]
+
+    # each run trained the planned model: the norms reached train_net's config
+    with open(os.path.join(bn_gn, "config.yaml")) as f:
+        model = yaml.safe_load(f)["MODEL"]
+    assert (model["RESNETS"]["NORM"], model["FPN"]["NORM"], model["ROI_MASK_HEAD"]["NORM"]) == ("BN", "GN", "GN")
+
+    table = (output_dir / "results.md").read_text()
+    assert "| GN | GN | GN | – (none) | 1 |" in table and "| BN/GN | BN | GN | batch average (1) | 1 |" in table
+    assert published.read_text() == table
+    with open(output_dir / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(row["kind"], row["setting"]) for row in rows] == [
+        ("run", "GN"), ("run", "BN/GN"), ("mean", "GN"), ("std", "GN"), ("mean", "BN/GN"), ("std", "BN/GN"),
+    ]  # fmt: skip
+    assert float(rows[0]["wall_s"]) > 0 and float(rows[0]["iterations"]) == 2
+    for name in ("ap.png", "loss_curves.png"):
+        assert (output_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # interrupted after training the second run: it is resumed (evaluation only), the first is skipped
+    finished_at = os.path.getmtime(os.path.join(gn, RESULTS_FILE))
+    os.remove(os.path.join(bn_gn, RESULTS_FILE))
+    train_net_calls.clear()
+    assert compare_norms.main(arguments) == 0
+    assert output_dirs_of(train_net_calls) == [bn_gn]
+    assert os.path.getmtime(os.path.join(gn, RESULTS_FILE)) == finished_at
+    assert [a["resumed"] for a in read_record(bn_gn)["attempts"]] == [False, True]
+    with open(os.path.join(bn_gn, "metrics.json")) as f:
+        trained_iterations = [json.loads(line)["iteration"] for line in f if "total_loss" in line]
+    assert trained_iterations == [1]  # not trained again
+
+    # the same folder with another budget is refused before anything runs
+    train_net_calls.clear()
+    changed = [*arguments]
+    changed[changed.index("--iters") + 1] = "3"
+    with pytest.raises(SystemExit, match="other train_net arguments than planned"):
+        compare_norms.main(changed)
+    assert train_net_calls == []
+
+
+def test_a_failed_run_does_not_stop_the_sweep(tmp_path, train_net_calls):
+    cfg = load_cfg(CONFIG, [])
+    planned = plan_runs(cfg, CONFIG, [Setting("GN", "GN"), Setting("SN", "SN")], [1], str(tmp_path))
+    # both fail fast (an unknown config key), each after its own train_net start
+    broken = [dataclasses.replace(run, train_args=(*run.train_args, "MODEL.NO_SUCH_KEY", "1")) for run in planned]
+    assert compare_norms.run_sweep(broken) == broken
+    assert output_dirs_of(train_net_calls) == [run.folder for run in planned]
+    for run in broken:
+        (attempt,) = read_record(run.folder)["attempts"]
+        assert attempt["returncode"] != 0
+        assert "NO_SUCH_KEY" in open(os.path.join(run.folder, compare_norms.TRAIN_LOG)).read()

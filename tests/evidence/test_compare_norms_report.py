@@ -1,0 +1,128 @@
+"""The results of the norm comparison from hand-made runs: reading a run folder, mean ± std per setting,
+the markdown table, the CSV and the plots."""
+
+import csv
+import json
+import math
+
+import pytest
+
+from sn_detection.evidence import plots, report
+from sn_detection.evidence.runs import RESULTS_FILE, RunResult, loss_curve, read_result, write_record
+
+
+def result(setting, seed, box_ap, mask_ap, batch_average=0, wall_s=100.0):
+    backbone, _, head = setting.partition("/")
+    metrics = {column: math.nan for column in ("box_AP50", "box_AP75", "mask_AP50", "mask_AP75")}
+    metrics.update(box_AP=box_ap, mask_AP=mask_ap)
+    metrics.update(box_AP50=2 * box_ap, mask_AP50=2 * mask_ap)
+    return RunResult(setting, backbone, head or backbone, seed, 400, batch_average, metrics, wall_s, 0.25, 1.5, "x")
+
+
+RESULTS = [
+    result("SN", 1, 10.0, 8.0, batch_average=20, wall_s=120.0),
+    result("GN", 2, 9.0, 7.5),
+    result("SN", 2, 12.0, 9.0, batch_average=20, wall_s=180.0),
+    result("GN", 1, 7.0, 6.5),
+    result("SN", 3, 14.0, 10.0, batch_average=20, wall_s=150.0),
+    result("SN/GN", 1, 5.0, 4.0, batch_average=20),
+]
+
+
+def test_mean_and_sample_std():
+    assert report.mean_std([10.0, 12.0, 14.0]) == (12.0, 2.0)  # sample std: sqrt(8 / 2)
+    mean, std = report.mean_std([3.5])
+    assert mean == 3.5 and math.isnan(std)
+    assert all(math.isnan(x) for x in report.mean_std([1.0, math.nan]))  # no detection at all: NaN AP
+    with pytest.raises(ValueError):
+        report.mean_std([])
+
+
+def test_summaries_per_setting_in_the_given_order():
+    summaries = report.summarize(RESULTS, ["GN", "SN", "BN", "SN/GN"])
+    assert [s.setting for s in summaries] == ["GN", "SN", "SN/GN"]  # BN has no result
+    gn, sn, mixed = summaries
+    assert gn.seeds == (1, 2) and sn.seeds == (1, 2, 3) and mixed.runs == 1
+    assert sn.mean["box_AP"] == 12.0 and sn.std["box_AP"] == 2.0
+    assert sn.mean["mask_AP"] == 9.0 and sn.std["mask_AP"] == 1.0
+    assert gn.mean["box_AP"] == 8.0 and gn.std["box_AP"] == pytest.approx(math.sqrt(2))
+    assert sn.mean["wall_s"] == 150.0 and sn.batch_average == 20 and gn.batch_average == 0
+    assert (mixed.backbone, mixed.head) == ("SN", "GN") and math.isnan(mixed.std["box_AP"])
+
+
+def test_markdown_table():
+    table = report.markdown_table(report.summarize(RESULTS, ["GN", "SN", "SN/GN"]))
+    lines = table.splitlines()
+    assert lines[0].startswith("| setting | backbone | FPN + heads | test statistics | runs | box AP |")
+    gn = "| GN | GN | GN | – (none) | 2 | 8.0 ± 1.4 | 16.0 ± 2.8 | 7.0 ± 0.7 | 14.0 ± 1.4 | 0.25 | 1.7 |"
+    sn = "| SN | SN | SN | batch average (20) | 3 | 12.0 ± 2.0 | 24.0 ± 4.0 | 9.0 ± 1.0 | 18.0 ± 2.0 | 0.25 | 2.5 |"
+    assert lines[2:4] == [gn, sn]
+    assert lines[4].startswith("| SN/GN | SN | GN | batch average (20) | 1 | 5.0 | 10.0 | 4.0 | 8.0 |")  # no spread
+
+
+def test_markdown_file_names_unfinished_runs(tmp_path):
+    path = tmp_path / "table.md"
+    report.write_markdown(str(path), "What was run.", report.summarize(RESULTS, ["SN"]), ["DN seed 2"])
+    text = path.read_text()
+    assert text.startswith("What was run.\n\n| setting |")
+    assert text.endswith("Failed or unfinished runs (left out above): DN seed 2\n")
+
+
+def test_csv_has_every_run_then_mean_and_std(tmp_path):
+    summaries = report.summarize(RESULTS, ["GN", "SN", "SN/GN"])
+    path = tmp_path / "results.csv"
+    report.write_csv(str(path), RESULTS, summaries)
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert [row["kind"] for row in rows] == ["run"] * 6 + ["mean", "std"] * 3
+    assert rows[0]["setting"] == "SN" and rows[0]["seed"] == "1" and float(rows[0]["box_AP"]) == 10.0
+    sn_mean, sn_std = rows[8], rows[9]
+    assert sn_mean["setting"] == sn_std["setting"] == "SN" and sn_mean["runs"] == "3"
+    assert float(sn_mean["box_AP"]) == 12.0 and float(sn_std["box_AP"]) == 2.0 and float(sn_mean["wall_s"]) == 150.0
+    assert math.isnan(float(rows[-1]["box_AP"]))  # std of the single SN/GN run
+
+
+def test_plots_are_written(tmp_path):
+    summaries = report.summarize(RESULTS, ["GN", "SN", "SN/GN"])
+    plots.plot_ap(summaries, RESULTS, str(tmp_path / "ap.png"))
+    curves = {"GN": {1: [(19, 2.0), (39, 1.5)], 2: [(19, 2.1)]}, "SN": {1: [(19, 2.2), (39, 1.4)]}}
+    plots.plot_loss_curves(curves, str(tmp_path / "curves.png"))
+    for name in ("ap.png", "curves.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(folder, metrics_rows, attempts):
+    write_record(str(folder), {"setting": "SN/GN", "backbone": "SN", "head": "GN", "seed": 3, "iterations": 40,
+                               "batch_average": 20, "train_args": [], "attempts": attempts})  # fmt: skip
+    with open(folder / "metrics.json", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in metrics_rows)
+
+
+def test_a_run_folder_is_read(tmp_path):
+    # a run restarted from its checkpoint at iteration 20: iteration 39 was logged twice, the later counts
+    rows = [
+        {"iteration": 19, "total_loss": 3.0, "time": 0.4},
+        {"iteration": 39, "total_loss": 2.5, "time": 0.6},
+        {"iteration": 39, "total_loss": 2.4, "time": 0.5},
+        {"iteration": 39, "bbox/AP": 1.0},
+    ]
+    write_run(tmp_path, rows, [{"wall_s": 30.0, "returncode": -9}, {"wall_s": 20.5, "returncode": 0}])
+    with pytest.raises(ValueError, match="no finished run"):
+        read_result(str(tmp_path))
+    tasks = {"bbox": {"AP": 6.0, "AP50": 12.0, "AP75": 5.0}, "segm": {"AP": 4.0, "AP50": 9.0, "AP75": 3.0}}
+    (tmp_path / RESULTS_FILE).write_text(json.dumps({"sn_shapes_val": tasks}))
+
+    run = read_result(str(tmp_path))
+    assert (run.setting, run.backbone, run.head, run.seed) == ("SN/GN", "SN", "GN", 3)
+    assert (run.iterations, run.batch_average) == (40, 20)
+    expected = {"box_AP": 6.0, "box_AP50": 12.0, "box_AP75": 5.0, "mask_AP": 4.0, "mask_AP50": 9.0, "mask_AP75": 3.0}
+    assert run.metrics == expected
+    assert run.wall_s == 50.5 and run.s_per_iter == 0.5 and run.final_loss == 2.4
+    assert loss_curve(str(tmp_path)) == [(19, 3.0), (39, 2.4)]
+
+
+def test_a_run_without_masks_is_refused(tmp_path):
+    write_run(tmp_path, [], [{"wall_s": 1.0, "returncode": 0}])
+    (tmp_path / RESULTS_FILE).write_text(json.dumps({"sn_shapes_val": {"bbox": {"AP": 1.0, "AP50": 2.0, "AP75": 0.5}}}))
+    with pytest.raises(ValueError, match=r"no \['segm'\] results"):
+        read_result(str(tmp_path))
