@@ -150,7 +150,7 @@ def plan_runs(
     batch_average_batches: Optional[int] = None,
     opts: Sequence[str] = (),
 ) -> list[RunSpec]:
-    """The runs of the sweep, settings outermost. ``cfg`` is ``config_file`` with ``opts`` (KEY VALUE), which
+    """The runs of the sweep, seeds outermost. ``cfg`` is ``config_file`` with ``opts`` (KEY VALUE), which
     apply to every run; the sweep's own keys (norms, batch average, seed, schedule) come after them and win."""
     if len(set(settings)) != len(settings) or len(set(seeds)) != len(seeds):
         raise ValueError(f"settings and seeds must not repeat: {[s.name for s in settings]}, {list(seeds)}")
@@ -162,13 +162,14 @@ def plan_runs(
     schedule = scaled_schedule(cfg, iterations) if iterations is not None else []
     num_batches = cfg.TEST.BATCH_AVERAGE.NUM_BATCHES if batch_average_batches is None else batch_average_batches
     runs = []
-    for setting in settings:
-        batch_stats = any(has_batch_statistics_norm(cfg, norm) for norm in (setting.backbone, setting.head))
-        batch_average = num_batches if batch_stats else 0
-        average = ["TEST.BATCH_AVERAGE.ENABLED", str(batch_average > 0)]
-        if batch_average:
-            average += ["TEST.BATCH_AVERAGE.NUM_BATCHES", str(batch_average)]
-        for seed in seeds:
+    # seeds outermost: a sweep cut short has compared every setting on its first seeds
+    for seed in seeds:
+        for setting in settings:
+            batch_stats = any(has_batch_statistics_norm(cfg, norm) for norm in (setting.backbone, setting.head))
+            batch_average = num_batches if batch_stats else 0
+            average = ["TEST.BATCH_AVERAGE.ENABLED", str(batch_average > 0)]
+            if batch_average:
+                average += ["TEST.BATCH_AVERAGE.NUM_BATCHES", str(batch_average)]
             folder = os.path.abspath(os.path.join(output_dir, setting.folder_name, f"seed{seed}"))
             overrides = [*opts, *setting.norm_overrides(), *average, "SEED", str(seed), *schedule]
             runs.append(

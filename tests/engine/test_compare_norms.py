@@ -58,7 +58,7 @@ def test_batch_average_exactly_for_settings_with_batch_statistics(tmp_path):
     runs = plan_runs(cfg, CONFIG, settings, [1, 2], str(tmp_path), batch_average_batches=5)
     averaged = {run.setting.name: run.batch_average for run in runs}
     assert averaged == {"BN": 5, "GN": 0, "SN": 5, "DN": 5, "MGN": 0, "SN/GN": 5, "GN/SN": 5}
-    assert [(run.setting.name, run.seed) for run in runs[:3]] == [("BN", 1), ("BN", 2), ("GN", 1)]
+    assert [(run.setting.name, run.seed) for run in runs[:3]] == [("BN", 1), ("GN", 1), ("SN", 1)]
     sn_gn = next(run for run in runs if run.setting.name == "SN/GN" and run.seed == 2)
     assert sn_gn.folder == str(tmp_path / "SN-GN" / "seed2")
     assert sn_gn.iterations == cfg.SOLVER.MAX_ITER
