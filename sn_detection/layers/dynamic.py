@@ -63,7 +63,6 @@ Choices the poster leaves open, and how they are settled here:
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -71,7 +70,7 @@ import torch
 from torch import Tensor, nn
 
 from .freezing import FreezableNorm
-from .statistics import affine_from_moments, normalize_by_moments, plain_moments, plain_scale_shift
+from .statistics import MomentNormalizer, affine_from_moments
 
 # Magnitude of the initial gate logits: the sign is the initial gate; an optimizer step has to move a
 # logit by this much before its gate flips.
@@ -139,12 +138,7 @@ def _check_options(num_channels, eps, momentum, init_groups, init_batch_pool) ->
         raise ValueError(f"init_batch_pool must be True or False, got {init_batch_pool!r}")
 
 
-def _check_input(x: Tensor, num_channels: int) -> None:
-    if x.dim() != 4 or x.shape[1] != num_channels:
-        raise ValueError(f"expected input of shape (N, {num_channels}, H, W), got {list(x.shape)}")
-
-
-class DynamicNorm2d(FreezableNorm, nn.Module):
+class DynamicNorm2d(MomentNormalizer, FreezableNorm, nn.Module):
     """Dynamic Normalization over (N, C, H, W) input; see the module docstring for the equations.
 
     Args:
@@ -211,14 +205,6 @@ class DynamicNorm2d(FreezableNorm, nn.Module):
             contiguous=contiguous,
             pools_batch=bool(self.batch_gate.detach() > 0),
         )
-
-    def forward(self, x: Tensor) -> Tensor:
-        _check_input(x, self.num_channels)
-        if torch.jit.is_scripting():  # plain operations, see statistics.plain_moments
-            mean, var = plain_moments(x)
-            return plain_scale_shift(x, *self.scale_and_shift(mean, var, x.shape[2] * x.shape[3]))
-        affine = functools.partial(self.scale_and_shift, spatial_size=x.shape[2] * x.shape[3])
-        return normalize_by_moments(x, affine, tuple(self.parameters()))
 
     def scale_and_shift(self, mean: Tensor, var: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         """The per-(n, c) scale and shift this layer applies, y = x * scale + shift, from the IN mean and

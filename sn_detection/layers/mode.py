@@ -49,7 +49,6 @@ Choices the paper leaves open, and how they are settled here:
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -57,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .freezing import FreezableNorm
-from .statistics import normalize_by_moments, plain_moments, plain_scale_shift
+from .statistics import MomentNormalizer
 
 # Floor for MN's total gate weight of a mode, N_k (in samples).
 _MIN_MODE_WEIGHT = 1e-6
@@ -71,12 +70,7 @@ def _check_options(num_channels, num_modes, eps) -> None:
         raise ValueError(f"eps must be > 0, got {eps!r}")
 
 
-def _check_input(x: Tensor, num_channels: int) -> None:
-    if x.dim() != 4 or x.shape[1] != num_channels:
-        raise ValueError(f"expected input of shape (N, {num_channels}, H, W), got {list(x.shape)}")
-
-
-class ModeNorm2d(FreezableNorm, nn.Module):
+class ModeNorm2d(MomentNormalizer, FreezableNorm, nn.Module):
     """Mode Normalization (Alg. 1 and 2) over (N, C, H, W) input; see the module docstring.
 
     Args:
@@ -102,14 +96,6 @@ class ModeNorm2d(FreezableNorm, nn.Module):
         self.register_buffer("running_sq_mean", torch.ones(num_modes, num_channels))
         # Sums (w_k, w_k <x>_k, w_k <x^2>_k), w_k = N_k * H * W, while a batch average is running.
         self._average_sums: Optional[list[Tensor]] = None
-
-    def forward(self, x: Tensor) -> Tensor:
-        _check_input(x, self.num_channels)
-        if torch.jit.is_scripting():  # plain operations, see statistics.plain_moments
-            mean, var = plain_moments(x)
-            return plain_scale_shift(x, *self.scale_and_shift(mean, var, x.shape[2] * x.shape[3]))
-        affine = functools.partial(self.scale_and_shift, spatial_size=x.shape[2] * x.shape[3])
-        return normalize_by_moments(x, affine, tuple(self.parameters()))
 
     def scale_and_shift(self, mean: Tensor, var: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         """The per-(n, c) scale and shift this layer applies, y = x * scale + shift, from the IN mean and
@@ -180,7 +166,7 @@ class ModeNorm2d(FreezableNorm, nn.Module):
         return f"{self.num_channels}, num_modes={self.num_modes}, eps={self.eps}, momentum={self.momentum}"
 
 
-class ModeGroupNorm2d(nn.Module):
+class ModeGroupNorm2d(MomentNormalizer, nn.Module):
     """Mode Group Normalization (Alg. 3, Eq. 5) over (N, C, H, W) input; see the module docstring.
 
     Args:
@@ -198,14 +184,6 @@ class ModeGroupNorm2d(nn.Module):
         self.weight = nn.Parameter(torch.ones(num_channels))
         self.bias = nn.Parameter(torch.zeros(num_channels))
         self.gate = nn.Linear(1, num_modes)
-
-    def forward(self, x: Tensor) -> Tensor:
-        _check_input(x, self.num_channels)
-        if torch.jit.is_scripting():  # plain operations, see statistics.plain_moments
-            mean, var = plain_moments(x)
-            return plain_scale_shift(x, *self.scale_and_shift(mean, var, x.shape[2] * x.shape[3]))
-        affine = functools.partial(self.scale_and_shift, spatial_size=x.shape[2] * x.shape[3])
-        return normalize_by_moments(x, affine, tuple(self.parameters()))
 
     def scale_and_shift(self, mean: Tensor, var: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         """The per-(n, c) scale and shift this layer applies, y = x * scale + shift, from the IN mean and

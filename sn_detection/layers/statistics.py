@@ -28,6 +28,7 @@ of the paper's appendix, Eq. 9): autograd's generic formulas for them allocate s
 full-size temporaries.
 """
 
+import functools
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -239,6 +240,21 @@ def normalize_by_moments(x: Tensor, affine: AffineFromMoments, parameters: Seque
         xs = x.to(stat_dtype(x))
         scale, shift = _affine_in_stat_dtype(affine, *_moments(xs))
         return _per_map_affine(xs, scale, shift).to(x.dtype)
+
+
+class MomentNormalizer:
+    """Mixin for a layer whose output is ``normalize_by_moments`` with its own
+    ``scale_and_shift(mean_in, var_in, spatial_size) -> (scale, shift)`` and ``num_channels``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 4 or x.shape[1] != self.num_channels:
+            raise ValueError(f"expected input of shape (N, {self.num_channels}, H, W), got {list(x.shape)}")
+        spatial_size = x.shape[2] * x.shape[3]
+        if torch.jit.is_scripting():  # plain operations, see plain_moments
+            mean, var = plain_moments(x)
+            return plain_scale_shift(x, *self.scale_and_shift(mean, var, spatial_size))
+        affine = functools.partial(self.scale_and_shift, spatial_size=spatial_size)
+        return normalize_by_moments(x, affine, tuple(self.parameters()))
 
 
 def reference_normalize_by_moments(x: Tensor, affine: AffineFromMoments) -> Tensor:

@@ -35,7 +35,6 @@ process stores the same statistics. Without an initialized process group (or wit
 layer is exactly ``SwitchableNorm2d``.
 """
 
-import functools
 
 import torch
 import torch.distributed as dist
@@ -44,19 +43,17 @@ from torch import Tensor, nn
 
 from .freezing import FreezableNorm
 from .statistics import (
+    MomentNormalizer,
     MomentSums,
     RunningMoments,
     affine_from_moments,
     batch_sums,
     layer_moments,
     moments_from_sums,
-    normalize_by_moments,
-    plain_moments,
-    plain_scale_shift,
 )
 
 
-class SwitchableNorm2d(FreezableNorm, RunningMoments, nn.Module):
+class SwitchableNorm2d(MomentNormalizer, FreezableNorm, RunningMoments, nn.Module):
     """Switchable Normalization over (N, C, H, W) inputs; see the module docstring."""
 
     def __init__(self, num_channels: int, *, eps: float = 1e-5, momentum: float = 0.1, use_bn: bool = True):
@@ -75,13 +72,6 @@ class SwitchableNorm2d(FreezableNorm, RunningMoments, nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_channels}, eps={self.eps}, momentum={self.momentum}, use_bn={self.use_bn}"
-
-    def forward(self, x: Tensor) -> Tensor:
-        if torch.jit.is_scripting():  # plain operations, see statistics.plain_moments
-            mean, var = plain_moments(x)
-            return plain_scale_shift(x, *self.scale_and_shift(mean, var, x.shape[2] * x.shape[3]))
-        affine = functools.partial(self.scale_and_shift, spatial_size=x.shape[2] * x.shape[3])
-        return normalize_by_moments(x, affine, tuple(self.parameters()))
 
     def scale_and_shift(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         """The per-(n, c) scale and shift this layer applies, y = x * scale + shift, from the IN mean and
