@@ -8,22 +8,12 @@ import torch
 from detectron2.engine import HookBase
 
 from shrunk_training import shrunk_cfg
-from sn_detection.data.datasets import register_shapes_datasets
 from sn_detection.engine import Trainer
 from sn_detection.engine.finite import non_finite_entries
 
 # 2 iterations: the failure comes at the last, whose checkpoint is model_final.pth
 OPTS = ["SOLVER.MAX_ITER", "2", "SEED", "1"]
 CLASSIFIER = "roi_heads.box_predictor.cls_score.weight"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def setup():
-    register_shapes_datasets()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small models on a shared 2-core machine
-    yield
-    torch.set_num_threads(threads)
 
 
 class BeforeStep(HookBase):

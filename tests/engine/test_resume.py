@@ -13,7 +13,6 @@ from detectron2.engine import HookBase
 from detectron2.utils.env import seed_all_rng
 
 from shrunk_training import MIXED_NORMS, shrunk_cfg
-from sn_detection.data.datasets import register_shapes_datasets
 from sn_detection.engine import Trainer
 from sn_detection.engine.resume import BatchStreamSampler, build_train_loader
 
@@ -22,15 +21,6 @@ CHECKPOINT_PERIOD = 2  # the interrupted run stops right after the checkpoint of
 # The batch average runs every 2 iterations, so also before the checkpoint the resumed run starts from.
 RESUME_OPTS = [*MIXED_NORMS, "SEED", "3", "SOLVER.MAX_ITER", str(MAX_ITER), "TEST.EVAL_PERIOD", "2",
                "SOLVER.CHECKPOINT_PERIOD", str(CHECKPOINT_PERIOD)]  # fmt: skip
-
-
-@pytest.fixture(scope="module", autouse=True)
-def setup():
-    register_shapes_datasets()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small models on a shared 2-core machine
-    yield
-    torch.set_num_threads(threads)
 
 
 class Interrupted(Exception):

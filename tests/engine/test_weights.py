@@ -5,17 +5,7 @@ import pytest
 import torch
 from shrunk_training import shrunk_cfg
 
-from sn_detection.data.datasets import register_shapes_datasets
 from sn_detection.engine import Trainer
-
-
-@pytest.fixture(scope="module", autouse=True)
-def setup():
-    register_shapes_datasets()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small models on a shared 2-core machine
-    yield
-    torch.set_num_threads(threads)
 
 
 def trainer_with_weights(tmp_path, weights):
