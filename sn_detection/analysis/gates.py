@@ -7,9 +7,9 @@ MGN layer of a model and, for each input, recomputes the gates from the layer's 
 - MN: one assignment per sample, g_n = softmax(Psi(s_n)), s_n the sample's per-channel means (C,);
 - MGN: one assignment per (sample, channel), g_nc = softmax(Psi(s_nc)), s_nc that channel's mean.
 
-The gates are recomputed here rather than read from the layers so that the layers' forward stays as it
-is (no extra outputs or state on the hot path); the cost is one mean over H, W per recorded input, and
-nothing at all when no recorder is active. Per layer it keeps, over all assignments seen: the mean gate
+The gates are recomputed here with the layer's own ``gate_logits`` rather than read from the layers so
+that the layers' forward stays as it is (no extra outputs or state on the hot path); the cost is one mean
+over H, W per recorded input, and nothing at all when no recorder is active. Per layer it keeps, over all assignments seen: the mean gate
 probability of each mode, the mean entropy of an assignment divided by log K (0: every assignment picks
 one mode; 1: uniform; 0 for K = 1), and the mean largest probability (how decisive assignments are).
 """
@@ -20,7 +20,6 @@ import math
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layers import ModeGroupNorm2d, ModeNorm2d
@@ -34,15 +33,9 @@ def gate_probabilities(module: nn.Module, x: Tensor) -> Tensor:
     wider), without gradients."""
     if not isinstance(module, (ModeNorm2d, ModeGroupNorm2d)):
         raise TypeError(f"gate_probabilities needs a ModeNorm2d or ModeGroupNorm2d, got {type(module).__name__}")
-    dtype = stat_dtype(x)
     with torch.no_grad():
-        means = x.detach().to(dtype).mean(dim=(2, 3))
-        weight, bias = module.gate.weight.detach().to(dtype), module.gate.bias.detach().to(dtype)
-        if isinstance(module, ModeNorm2d):
-            logits = F.linear(means, weight, bias)
-        else:
-            logits = means.reshape(-1, 1) * weight[:, 0] + bias
-        return torch.softmax(logits, dim=1)
+        logits = module.gate_logits(x.detach().to(stat_dtype(x)).mean(dim=(2, 3)))
+        return torch.softmax(logits, dim=-1).reshape(-1, module.num_modes)
 
 
 class _GateSums:

@@ -97,11 +97,15 @@ class ModeNorm2d(MomentNormalizer, FreezableNorm, nn.Module):
         # Sums (w_k, w_k <x>_k, w_k <x^2>_k), w_k = N_k * H * W, while a batch average is running.
         self._average_sums: Optional[list[Tensor]] = None
 
+    def gate_logits(self, mean: Tensor) -> Tensor:
+        """Psi(s_n) of each sample from its per-channel means (N, C): (N, K), in mean's dtype."""
+        return F.linear(mean, self.gate.weight.to(mean.dtype), self.gate.bias.to(mean.dtype))
+
     def scale_and_shift(self, mean: Tensor, var: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         """The per-(n, c) scale and shift this layer applies, y = x * scale + shift, from the IN mean and
         variance (N, C) of an input with ``spatial_size`` = H * W; updates the running statistics in training."""
         dtype = mean.dtype
-        gates = torch.softmax(F.linear(mean, self.gate.weight.to(dtype), self.gate.bias.to(dtype)), dim=1)
+        gates = torch.softmax(self.gate_logits(mean), dim=1)
         if self.training and mean.shape[0] > 0:
             mode_mean, mode_var, mode_weight = self._batch_estimates(gates, mean, var)
             # detached: TorchScript ignores _record_batch's no_grad decorator
@@ -185,12 +189,15 @@ class ModeGroupNorm2d(MomentNormalizer, nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_channels))
         self.gate = nn.Linear(1, num_modes)
 
+    def gate_logits(self, mean: Tensor) -> Tensor:
+        """Psi(s_nc) of each (sample, channel) from its mean (N, C): (N, C, K), in mean's dtype."""
+        return mean[:, :, None] * self.gate.weight.to(mean.dtype)[:, 0] + self.gate.bias.to(mean.dtype)
+
     def scale_and_shift(self, mean: Tensor, var: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         """The per-(n, c) scale and shift this layer applies, y = x * scale + shift, from the IN mean and
         variance (N, C); ``spatial_size`` (H * W) is unused: MGN has no batch statistics to pool."""
         dtype = mean.dtype
-        logits = mean[:, :, None] * self.gate.weight.to(dtype)[:, 0] + self.gate.bias.to(dtype)
-        mode_mean, mode_var = self._sample_estimates(torch.log_softmax(logits, dim=2), mean, var)
+        mode_mean, mode_var = self._sample_estimates(torch.log_softmax(self.gate_logits(mean), dim=2), mean, var)
         # Eq. 5: equal-weight average of the K normalized maps, folded into a scale and shift.
         inv_std = torch.rsqrt(mode_var + self.eps)
         weight = self.weight.to(dtype) / self.num_modes
