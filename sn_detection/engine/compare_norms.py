@@ -267,6 +267,7 @@ def describe(cfg, config_file: str, runs: Sequence[RunSpec]) -> str:
     iterations = sorted({run.iterations for run in runs})
     init = "from scratch" if not cfg.MODEL.WEIGHTS else f"from `{cfg.MODEL.WEIGHTS}`"
     return (
+        "### Norm settings compared on this machine (`tools/compare_norms.py`, measured here)\n\n"
         f"Mask R-CNN R{cfg.MODEL.RESNETS.DEPTH}-FPN (`{config}`: {cfg.INPUT.MIN_SIZE_TEST} px inputs, FPN and "
         f"heads {cfg.MODEL.FPN.OUT_CHANNELS} wide) trained {init} on `{cfg.DATASETS.TRAIN[0]}` at "
         f"{cfg.SOLVER.IMS_PER_BATCH} images per batch for {', '.join(map(str, iterations))} iterations "
