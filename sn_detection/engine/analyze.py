@@ -38,7 +38,7 @@ from ..d2.components import COMPONENTS, component_of
 from ..d2.norm_analysis import EVOLUTION_FILE
 from ..data.datasets import register_shapes_datasets
 from .launch import load_cfg
-from .trained import load_trained_model
+from .trained import add_overrides_argument, load_trained_model
 
 REPORT_FOLDER = "norm_analysis"
 
@@ -52,12 +52,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--num-images", type=int, default=8, help="images of DATASETS.TEST[0] to observe MN/MGN gates on (8)"
     )
-    parser.add_argument(
-        "opts",
-        nargs=argparse.REMAINDER,
-        help="KEY VALUE config overrides; MODEL.WEIGHTS FILE picks the weights, otherwise the last "
-        "checkpoint in OUTPUT_DIR",
-    )
+    add_overrides_argument(parser)
     args = parser.parse_args(argv)
     if args.checkpoint and args.opts:
         parser.error(f"config overrides {args.opts} need --config-file, not --checkpoint")

@@ -27,7 +27,7 @@ from PIL import Image
 
 from ..data.datasets import register_shapes_datasets
 from .launch import load_cfg
-from .trained import load_trained_model
+from .trained import add_overrides_argument, load_trained_model
 
 OUTPUT_FOLDER = "demo"
 # The embedded images are small (128-320 px): draw them enlarged so that labels stay readable.
@@ -42,12 +42,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--num-images", type=int, default=8, help="at most this many images (8)")
     parser.add_argument("--output", metavar="DIR", help=f"default: OUTPUT_DIR/{OUTPUT_FOLDER}")
     parser.add_argument("--confidence-threshold", type=float, default=0.25, help="lowest score drawn (0.25)")
-    parser.add_argument(
-        "opts",
-        nargs=argparse.REMAINDER,
-        help="KEY VALUE config overrides; MODEL.WEIGHTS FILE picks the weights, otherwise the last "
-        "checkpoint in OUTPUT_DIR",
-    )
+    add_overrides_argument(parser)
     args = parser.parse_args(argv)
     if args.num_images < 1:
         parser.error(f"--num-images must be >= 1, got {args.num_images}")

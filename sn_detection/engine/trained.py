@@ -9,9 +9,21 @@ config file's own MODEL.WEIGHTS is not used on its own: for a training config it
 
 from __future__ import annotations
 
+import argparse
+
 from torch import nn
 
 from .. import d2
+
+
+def add_overrides_argument(parser: argparse.ArgumentParser) -> None:
+    """The trailing KEY VALUE config overrides of a tool that loads a trained model (``args.opts``)."""
+    parser.add_argument(
+        "opts",
+        nargs=argparse.REMAINDER,
+        help="KEY VALUE config overrides; MODEL.WEIGHTS FILE picks the weights, otherwise the last "
+        "checkpoint in OUTPUT_DIR",
+    )
 
 
 def weights_on_command_line(opts: list) -> bool:
