@@ -43,28 +43,22 @@ def stat_dtype(x: Tensor) -> torch.dtype:
 
 
 class _InstanceMoments(torch.autograd.Function):
-    """mean and biased variance of x over H*W, shapes (N, C); single pass of sum and sum of squares."""
+    """mean and biased variance of x over H*W, shapes (N, C), by ``_moments``; closed-form backward."""
 
     @staticmethod
     def forward(ctx, x: Tensor):
-        xs = x.to(stat_dtype(x))
-        count = x.shape[2] * x.shape[3]
-        mean = xs.sum((2, 3)) / count
-        # vector_norm squares and sums in one pass without a full-size temporary, unlike x.square().sum()
-        mean_sq = torch.linalg.vector_norm(xs, dim=(2, 3)).square() / count
-        var = (mean_sq - mean.square()).clamp(min=0)
+        mean, var = _moments(x.to(stat_dtype(x)))
         ctx.save_for_backward(x, mean)
         return mean, var
 
     @staticmethod
     def backward(ctx, grad_mean: Tensor, grad_var: Tensor):
         x, mean = ctx.saved_tensors
-        count = x.shape[2] * x.shape[3]
+        count = max(x.shape[2] * x.shape[3], 1)
         # d mean / dx = 1 / HW and d var / dx = 2 (x - mean) / HW, folded into grad = x * p + q
         p = 2 * grad_var / count
         q = grad_mean / count - p * mean
-        grad_x = torch.addcmul(q[:, :, None, None], x.to(p.dtype), p[:, :, None, None])
-        return grad_x.to(x.dtype)
+        return _per_map_affine(x.to(p.dtype), p, q).to(x.dtype)
 
 
 def instance_moments(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -191,8 +185,7 @@ class _ScaleShift(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, scale: Tensor, shift: Tensor):
         ctx.save_for_backward(x, scale)
-        y = torch.addcmul(shift[:, :, None, None], x.to(scale.dtype), scale[:, :, None, None])
-        return y.to(x.dtype)
+        return _per_map_affine(x.to(scale.dtype), scale, shift).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
@@ -200,11 +193,8 @@ class _ScaleShift(torch.autograd.Function):
         grad_x = grad_scale = grad_shift = None
         if ctx.needs_input_grad[0]:
             grad_x = (grad_y * scale[:, :, None, None]).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            # a batched dot product: no full-size temporary, unlike (grad_y * x).sum((2, 3))
-            grad_scale = torch.einsum("nchw,nchw->nc", grad_y.to(scale.dtype), x.to(scale.dtype))
-        if ctx.needs_input_grad[2]:
-            grad_shift = grad_y.to(scale.dtype).sum((2, 3))
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            grad_scale, grad_shift = _dot_and_sum(grad_y.to(scale.dtype), x.to(scale.dtype))
         return grad_x, grad_scale, grad_shift
 
 
@@ -331,9 +321,7 @@ class _NormalizeByMoments(torch.autograd.Function):
             scale, shift = _affine_in_stat_dtype(affine, mean_in, var_in)
         ctx.save_for_backward(x)
         ctx.graph = (mean_in, var_in, scale, shift, parameters)
-        y = _per_map_affine(xs, scale.detach(), shift.detach()).to(x.dtype)
-        # not a view in autograd's eyes, so that an in-place op after the layer (ReLU) is allowed
-        return y.detach()
+        return _per_map_affine(xs, scale.detach(), shift.detach()).to(x.dtype)
 
     @staticmethod
     @once_differentiable
@@ -397,4 +385,6 @@ def _per_map_affine(xs: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     ones = scale.new_ones(n * c)
     with torch.autocast(xs.device.type, enabled=False):
         y = F.batch_norm(xs.view(1, n * c, -1), ones - 1, ones, scale.reshape(-1), shift.reshape(-1), False, 0.0, 0.0)
-    return y.view_as(xs)
+    # detached: not a view in autograd's eyes, so that a custom Function returning it allows an in-place
+    # op after the layer (detectron2's ReLU)
+    return y.view_as(xs).detach()

@@ -29,15 +29,6 @@ SHRINK = [
 COMPONENTS = ["stem", "res2", "res3", "res4", "res5", "FPN", "box head", "mask head"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small models on a shared 2-core machine: one intra-op thread is faster than two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The SN demo trained for 2 iterations with the analysis logged every iteration, no evaluation."""
