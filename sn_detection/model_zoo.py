@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from .checkpoint.conventions import INPUT_CONVENTIONS, InputConvention
+from .conversion.conventions import INPUT_CONVENTIONS, InputConvention
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO_ROOT, "configs")

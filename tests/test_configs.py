@@ -12,8 +12,10 @@ from detectron2.data import DatasetCatalog, DatasetMapper
 from detectron2.utils.events import EventStorage
 
 import sn_detection  # noqa: F401  registers our norm names
-from sn_detection.d2 import add_sn_config, build_model, build_optimizer
-from sn_detection.d2.hooks import update_batch_average
+from detectron2.modeling import build_model
+
+from sn_detection.d2 import add_sn_config, build_optimizer
+from sn_detection.layers import update_batch_average
 from sn_detection.data.datasets import register_shapes_datasets
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -84,7 +86,8 @@ def test_one_training_step_and_inference(name, shapes):
         total.backward()
         optimizer.step()
     if cfg.TEST.BATCH_AVERAGE.ENABLED:
-        assert update_batch_average(model, iter([batch]), cfg.TEST.BATCH_AVERAGE.NUM_BATCHES) == 1
+        with EventStorage(0):  # detectron2's models log in training mode
+            assert update_batch_average(model, iter([batch]), cfg.TEST.BATCH_AVERAGE.NUM_BATCHES) == 1
 
     model.eval()
     with torch.no_grad():

@@ -29,6 +29,7 @@ import time
 import torch
 from detectron2.config import get_cfg
 from detectron2.data import build_detection_train_loader
+from detectron2.modeling import build_model
 from detectron2.utils.events import EventStorage
 
 from sn_detection import d2
@@ -61,7 +62,7 @@ class Setting:
 
     def __init__(self, cfg):
         torch.manual_seed(cfg.SEED)
-        self.model = d2.build_model(cfg)
+        self.model = build_model(cfg)
         self.optimizer = d2.build_optimizer(cfg, self.model)
         self.device = torch.device(cfg.MODEL.DEVICE)
 

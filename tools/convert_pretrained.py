@@ -6,12 +6,12 @@
 Sources: ``sn`` (the SN authors' ImageNet checkpoints), ``torchvision`` (its BN ResNets; ``--norm SN``
 or ``GN`` initialises those layers from BN), ``gn`` (Detectron's GN pickles). DST is ``.pkl``
 (detectron2's model-zoo format) or ``.pth``; use it as MODEL.WEIGHTS with the input convention the
-report prints. See ``sn_detection/checkpoint``.
+report prints. See ``sn_detection/conversion``.
 """
 
 import sys
 
-from sn_detection.checkpoint.cli import main
+from sn_detection.conversion.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

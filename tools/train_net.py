@@ -7,17 +7,7 @@
 `--config` works as well as `--config-file`: argparse accepts any unambiguous prefix of an option.
 """
 
-from detectron2.engine import default_argument_parser, launch
-
-from sn_detection.engine import main
+from sn_detection.engine.train_net import main
 
 if __name__ == "__main__":
-    args = default_argument_parser().parse_args()
-    launch(
-        main,
-        args.num_gpus,
-        num_machines=args.num_machines,
-        machine_rank=args.machine_rank,
-        dist_url=args.dist_url,
-        args=(args,),
-    )
+    main()

@@ -123,8 +123,9 @@ def mode_layers(model: nn.Module) -> dict[str, nn.Module]:
 def choices_from_state_dict(state_dict: Mapping[str, Tensor]) -> list[Choice]:
     """The choice of every SN and DN layer whose parameters are in ``state_dict``, in key order."""
     choices = []
-    for prefix in _prefixes(state_dict, ("mean_weight", "var_weight", "channel_gates", "batch_gate")):
-        if _has(state_dict, prefix, "mean_weight", "var_weight"):
+    switchable, dynamic = SwitchableNorm2d.gate_parameters, DynamicNorm2d.gate_parameters
+    for prefix in _prefixes(state_dict, switchable + dynamic):
+        if _has(state_dict, prefix, *switchable):
             logits = state_dict[prefix + "mean_weight"]
             if logits.dim() != 1 or len(logits) not in (2, 3):
                 raise ValueError(
@@ -133,7 +134,7 @@ def choices_from_state_dict(state_dict: Mapping[str, Tensor]) -> list[Choice]:
                 )
             module = SwitchableNorm2d(_channels(state_dict, prefix), use_bn=len(logits) == 3)
             choices.append(switchable_choice(prefix[:-1], _loaded(module, state_dict, prefix)))
-        elif _has(state_dict, prefix, "channel_gates", "batch_gate"):
+        elif _has(state_dict, prefix, *dynamic):
             module = DynamicNorm2d(_channels(state_dict, prefix))
             choices.append(dynamic_choice(prefix[:-1], _loaded(module, state_dict, prefix)))
     return choices
@@ -142,12 +143,13 @@ def choices_from_state_dict(state_dict: Mapping[str, Tensor]) -> list[Choice]:
 def mode_layers_in_state_dict(state_dict: Mapping[str, Tensor]) -> list[ModeGates]:
     """The MN / MGN layers in ``state_dict``, as ``ModeGates`` with nothing observed. A mode layer is a
     ``P.gate`` linear map next to ``P.weight``: MN's gate reads all C channel means and the layer keeps
-    ``P.running_sq_mean``; MGN's gate reads one channel mean at a time (its weight is (K, 1))."""
+    per-mode running statistics ``P.running_var`` of shape (K, C) (``P.running_sq_mean`` in earlier
+    versions); MGN's gate reads one channel mean at a time (its weight is (K, 1))."""
     layers = []
     for prefix in _prefixes(state_dict, ("gate.weight",)):
         if not _has(state_dict, prefix, "weight", "gate.bias"):
             continue
-        if _has(state_dict, prefix, "running_sq_mean"):
+        if _has(state_dict, prefix, "running_var") or _has(state_dict, prefix, "running_sq_mean"):
             kind = "MN"
         elif state_dict[prefix + "gate.weight"].shape[1:] == (1,):
             kind = "MGN"

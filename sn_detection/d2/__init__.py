@@ -1,37 +1,24 @@
-"""All the glue with detectron2: config keys (and their validation), norm-name registration, frozen stages,
-optimizer, checkpoint loading with clear errors.
+"""All the glue with detectron2: config keys and their validation, ``SNMetaArch`` (which builds our norms
+with the config's options: see ``meta_arch``), the optimizer's rules, the checked checkpointer, component
+names, and the hooks (batch average, norm analysis).
 
-Importing ``sn_detection`` installs the registration (see ``registry``), so that every name of
-``sn_detection.layers.build_norm`` works in detectron2's norm config keys.
+Importing ``sn_detection`` registers ``SNMetaArch`` in detectron2's ``META_ARCH_REGISTRY``.
 """
 
-from .checkpoint import CheckedCheckpointer
-from .config import add_sn_config, norm_options_from_cfg, validate_sn_config
-from .freeze import freeze_norms
-from .model import build_model
+from .checkpointer import CheckedCheckpointer
+from .config import add_sn_config, norm_factory_from_cfg, valid_norm_names, validate_sn_config
+from .meta_arch import SNMetaArch, norm_layer, resolve_norms
 from .optimizer import build_optimizer, get_optimizer_params
-from .registry import (
-    current_norm_options,
-    get_norm,
-    install_get_norm,
-    norm_options_applied,
-    set_norm_options,
-    valid_norm_names,
-)
 
 __all__ = [
     "CheckedCheckpointer",
+    "SNMetaArch",
     "add_sn_config",
-    "build_model",
     "build_optimizer",
-    "current_norm_options",
-    "freeze_norms",
-    "get_norm",
     "get_optimizer_params",
-    "install_get_norm",
-    "norm_options_applied",
-    "norm_options_from_cfg",
-    "set_norm_options",
+    "norm_factory_from_cfg",
+    "norm_layer",
+    "resolve_norms",
     "valid_norm_names",
     "validate_sn_config",
 ]

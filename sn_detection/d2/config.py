@@ -1,5 +1,5 @@
-"""``add_sn_config(cfg)``: the config keys of sn_detection; ``norm_options_from_cfg(cfg)``: the layers'
-options they set.
+"""``add_sn_config(cfg)``: the config keys of sn_detection; ``norm_factory_from_cfg(cfg, name)``: our layer
+``name`` with the options they set; ``validate_sn_config(cfg)``: every value checked up front.
 
 ``MODEL.SN`` holds the options of all our norm layers, one key per layer option, shared by every layer
 that has that option (``EPS`` is the eps of all of them, ``MOMENTUM`` of those with running statistics):
@@ -13,16 +13,19 @@ that has that option (``EPS`` is the eps of all of them, ``MOMENTUM`` of those w
     DN_INIT_GROUPS       init_groups         DN
     DN_INIT_BATCH_POOL   init_batch_pool     DN
 
-``SOLVER.GATE_WEIGHT_DECAY`` and ``SOLVER.GATE_LR_FACTOR`` apply to the gating parameters (SN's logits,
-DN's gates, MN's and MGN's gate), see ``optimizer``; ``TEST.BATCH_AVERAGE`` configures the batch-average
-hook; ``TEST.NORM_ANALYSIS.PERIOD`` the logging of what the learned norms chose (``norm_analysis``;
-0: off). The defaults are the layers' own defaults, the papers' settings.
+and ``MODEL.SN.META_ARCHITECTURE``, the meta-architecture that ``MODEL.META_ARCHITECTURE: SNMetaArch``
+builds with those options (see ``meta_arch``). ``SOLVER.GATE_WEIGHT_DECAY`` and ``SOLVER.GATE_LR_FACTOR``
+apply to the gating parameters (SN's logits, DN's gates, MN's and MGN's gate), see ``optimizer``;
+``TEST.BATCH_AVERAGE`` configures the batch-average hook; ``TEST.NORM_ANALYSIS.PERIOD`` the logging of
+what the learned norms chose (``norm_analysis``; 0: off). The defaults are the layers' own defaults, the
+papers' settings.
 
-``validate_sn_config(cfg)`` checks these keys' values and the norm names of every ``MODEL.*.NORM`` key
-up front (``norm_options_from_cfg`` and the engine's ``load_cfg`` call it), so that a bad value fails
-with the key and its valid values before anything is built or written. Whether a group count suits
-each layer's channels is only known when the model is built: ``sn_detection.d2.build_model`` then names
-the keys of the layer that refused its options.
+``validate_sn_config(cfg)`` checks the norm names of every ``MODEL.*.NORM`` key, these keys' values (a
+layer option by the rules its layer states, ``sn_detection.layers.options``) and that our norms are
+built by ``SNMetaArch``, so that a bad value fails with the key and its valid values before anything is
+built or written (``SNMetaArch`` and the engine's ``load_cfg`` call it). Whether a group count suits each
+layer's channels is only known when the model is built: ``SNMetaArch`` then names the keys of the layer
+that refused its options.
 """
 
 from __future__ import annotations
@@ -30,9 +33,15 @@ from __future__ import annotations
 import numbers
 
 from detectron2.config import CfgNode as CN
+from detectron2.modeling import META_ARCH_REGISTRY
 
-from ..layers import NORM_NAMES, norm_options
-from .registry import valid_norm_names
+from ..layers import NORM_NAMES, NormFactory, norm_class, norm_options
+
+# The registered name of the meta-architecture that builds our norms with the config's options.
+SN_META_ARCHITECTURE = "SNMetaArch"
+
+# The names of the dict inside detectron2's get_norm (it exposes no list), for error messages.
+DETECTRON2_NORM_NAMES = ("BN", "SyncBN", "FrozenBN", "GN", "nnSyncBN", "naiveSyncBN", "naiveSyncBN_N", "LN")
 
 # layer option -> key of cfg.MODEL.SN
 _OPTION_KEYS = {
@@ -50,6 +59,7 @@ _OPTION_KEYS = {
 def add_sn_config(cfg: CN) -> None:
     """Add sn_detection's keys, with their defaults, to a detectron2 config (before merging a file)."""
     cfg.MODEL.SN = CN()
+    cfg.MODEL.SN.META_ARCHITECTURE = "GeneralizedRCNN"
     cfg.MODEL.SN.EPS = 1e-5
     cfg.MODEL.SN.MOMENTUM = 0.1
     cfg.MODEL.SN.USE_BN = True
@@ -70,16 +80,29 @@ def add_sn_config(cfg: CN) -> None:
     cfg.TEST.NORM_ANALYSIS.PERIOD = 0
 
 
-def norm_options_from_cfg(cfg: CN) -> dict[str, dict[str, object]]:
-    """Norm name -> the keyword options ``cfg.MODEL.SN`` gives that layer (for ``set_norm_options``);
-    ``validate_sn_config`` first."""
-    validate_sn_config(cfg)
-    return {name: {option: cfg.MODEL.SN[_OPTION_KEYS[option]] for option in norm_options(name)} for name in NORM_NAMES}
-
-
 def option_keys(name: str) -> dict[str, str]:
     """The config key of each option of our norm ``name``, e.g. {"num_groups": "MODEL.SN.GN_GROUPS", ...}."""
     return {option: f"MODEL.SN.{_OPTION_KEYS[option]}" for option in norm_options(name)}
+
+
+def norm_factory_from_cfg(cfg: CN, name: str) -> NormFactory:
+    """Our layer ``name`` with the options ``cfg.MODEL.SN`` sets for it."""
+    return NormFactory(name, **{option: cfg.MODEL.SN[_OPTION_KEYS[option]] for option in norm_options(name)})
+
+
+def valid_norm_names() -> tuple[str, ...]:
+    """Every norm string the norm keys accept: ours, then detectron2's other built-in names."""
+    return NORM_NAMES + tuple(name for name in DETECTRON2_NORM_NAMES if name not in NORM_NAMES)
+
+
+def norm_keys(node: CN, prefix: str = "MODEL"):
+    """(key, node, value) of every string key named NORM under ``node`` (the keys detectron2 resolves with
+    ``get_norm``: RESNETS, FPN, ROI_BOX_HEAD, ROI_MASK_HEAD, RETINANET, SEM_SEG_HEAD, ...)."""
+    for name, value in node.items():
+        if isinstance(value, CN):
+            yield from norm_keys(value, f"{prefix}.{name}")
+        elif name == "NORM" and isinstance(value, str):
+            yield f"{prefix}.{name}", node, value
 
 
 def _is_number(value) -> bool:
@@ -90,20 +113,8 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-# key -> (whether a value is valid, the valid values in words). Whether a group count suits the
-# channels of each layer is checked when the model is built, where the channels are known.
-_VALID_VALUES = {
-    "MODEL.SN.EPS": (lambda v: _is_number(v) and v > 0, "a number > 0"),
-    "MODEL.SN.MOMENTUM": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "MODEL.SN.USE_BN": (lambda v: isinstance(v, bool), "True or False"),
-    "MODEL.SN.GN_GROUPS": (lambda v: _is_int(v) and v >= 1, "an int >= 1 dividing the channels of every GN layer"),
-    "MODEL.SN.NUM_MODES": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
-    "MODEL.SN.BNSR_P": (lambda v: _is_number(v) and v > 0, "a number > 0"),
-    "MODEL.SN.DN_INIT_GROUPS": (
-        lambda v: _is_int(v) and v >= 1,
-        "an int >= 1: for every DN layer of C channels, C or a power of two dividing C",
-    ),
-    "MODEL.SN.DN_INIT_BATCH_POOL": (lambda v: isinstance(v, bool), "True or False"),
+# Keys that are no layer option: key -> (whether a value is valid, the valid values in words).
+_SOLVER_RULES = {
     "SOLVER.GATE_WEIGHT_DECAY": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
     "SOLVER.GATE_LR_FACTOR": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
 }
@@ -111,28 +122,43 @@ _VALID_VALUES = {
 
 def validate_sn_config(cfg: CN) -> None:
     """Raise a ValueError naming the key and its valid values for the first invalid value among
-    sn_detection's keys and the norm names of every ``MODEL.*.NORM`` key."""
+    sn_detection's keys and the norm names of every ``MODEL.*.NORM`` key (module docstring)."""
     if "SN" not in cfg.MODEL:
         raise ValueError("the config has no MODEL.SN: call sn_detection.d2.add_sn_config(cfg) before merging a file")
-    for key, norm in _norm_keys(cfg.MODEL, "MODEL"):
+    for key, _, norm in norm_keys(cfg.MODEL):
         if norm != "" and norm not in valid_norm_names():
-            valid = list(valid_norm_names())
-            raise ValueError(f"{key}: unknown norm {norm!r}; valid names are {valid}, or '' for none")
-    for key, (is_valid, valid_values) in _VALID_VALUES.items():
+            raise ValueError(f"{key}: unknown norm {norm!r}; valid names are {list(valid_norm_names())}, or '' for none")
+    for name in NORM_NAMES:
+        rules = norm_class(name).option_rules
+        for option, key in option_keys(name).items():
+            _check(key, _value(cfg, key), rules[option].holds, rules[option].text)
+    for key, (is_valid, valid_values) in _SOLVER_RULES.items():
         _check(key, _value(cfg, key), is_valid, valid_values)
     if cfg.TEST.BATCH_AVERAGE.ENABLED:
         key = "TEST.BATCH_AVERAGE.NUM_BATCHES"
         _check(key, _value(cfg, key), lambda v: _is_int(v) and v >= 1, "an int >= 1 when TEST.BATCH_AVERAGE.ENABLED")
+    _check_meta_architecture(cfg)
 
 
-def _norm_keys(node: CN, prefix: str):
-    """(key, value) of every string key named NORM under ``node`` (the keys detectron2 resolves with
-    ``get_norm``: RESNETS, FPN, ROI_BOX_HEAD, ROI_MASK_HEAD, RETINANET, SEM_SEG_HEAD, ...)."""
-    for name, value in node.items():
-        if isinstance(value, CN):
-            yield from _norm_keys(value, f"{prefix}.{name}")
-        elif name == "NORM" and isinstance(value, str):
-            yield f"{prefix}.{name}", value
+def _check_meta_architecture(cfg: CN) -> None:
+    """Our norms get their options only when SNMetaArch builds the model, and it builds another one."""
+    inner = cfg.MODEL.SN.META_ARCHITECTURE
+    registered = [name for name, _ in META_ARCH_REGISTRY if name != SN_META_ARCHITECTURE]
+    if inner not in registered:
+        raise ValueError(
+            f"MODEL.SN.META_ARCHITECTURE={inner!r} is invalid: it must be a registered meta-architecture other "
+            f"than {SN_META_ARCHITECTURE!r}: one of {sorted(registered)}"
+        )
+    if cfg.MODEL.META_ARCHITECTURE == SN_META_ARCHITECTURE:
+        return
+    for key, _, norm in norm_keys(cfg.MODEL):
+        ours = norm in NORM_NAMES and not (norm == "GN" and cfg.MODEL.SN.GN_GROUPS == 32)  # else detectron2's GN
+        if ours:
+            raise ValueError(
+                f"{key}={norm!r} is a norm of sn_detection, built with the options of MODEL.SN only by "
+                f"MODEL.META_ARCHITECTURE {SN_META_ARCHITECTURE!r} (which builds MODEL.SN.META_ARCHITECTURE, "
+                f"now {inner!r}); the config has MODEL.META_ARCHITECTURE {cfg.MODEL.META_ARCHITECTURE!r}"
+            )
 
 
 def _value(cfg: CN, key: str):

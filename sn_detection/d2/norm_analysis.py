@@ -105,15 +105,23 @@ class NormAnalysis(HookBase):
             self._recorder = None
 
 
-def build_norm_analysis_hook(cfg, model: nn.Module) -> Optional[NormAnalysis]:
-    """The ``NormAnalysis`` hook for ``cfg`` (period cfg.TEST.NORM_ANALYSIS.PERIOD, plots into
-    cfg.OUTPUT_DIR), or None when the period is 0 or ``model`` has no SN, DN, MN or MGN layer."""
-    period = cfg.TEST.NORM_ANALYSIS.PERIOD
+def norm_analysis_hook(model: nn.Module, period: int, output_dir: str) -> Optional[NormAnalysis]:
+    """``NormAnalysis(model, period, output_dir)``, or None when the period is 0 or ``model`` has no SN,
+    DN, MN or MGN layer."""
     if period < 0:
-        raise ValueError(f"TEST.NORM_ANALYSIS.PERIOD must be >= 0 (0 disables the norm analysis), got {period}")
+        raise ValueError(f"the norm analysis period must be >= 0 (0 disables it), got {period}")
     if period == 0:
         return None
     if not (learned_choices(model) or mode_layers(model)):
         logger.info("Norm analysis is disabled: the model has no SN, SyncSN, DN, MN or MGN layer")
         return None
-    return NormAnalysis(model, period, cfg.OUTPUT_DIR)
+    return NormAnalysis(model, period, output_dir)
+
+
+def build_norm_analysis_hook(cfg, model: nn.Module) -> Optional[NormAnalysis]:
+    """The ``NormAnalysis`` hook for the yaml config ``cfg`` (period cfg.TEST.NORM_ANALYSIS.PERIOD, plots
+    into cfg.OUTPUT_DIR), or None (see ``norm_analysis_hook``)."""
+    period = cfg.TEST.NORM_ANALYSIS.PERIOD
+    if period < 0:
+        raise ValueError(f"TEST.NORM_ANALYSIS.PERIOD must be >= 0 (0 disables the norm analysis), got {period}")
+    return norm_analysis_hook(model, period, cfg.OUTPUT_DIR)

@@ -42,17 +42,19 @@ from typing import Callable, Optional, Sequence
 from detectron2.checkpoint import DetectionCheckpointer
 from torch import nn
 
-from ..d2 import get_norm, norm_options_applied, norm_options_from_cfg, valid_norm_names
-from ..d2.hooks import has_batch_statistics
+from .. import model_zoo
+from ..d2 import norm_layer, valid_norm_names
 from ..evidence import plots, report
 from ..evidence.runs import METRICS_FILE, RunResult, is_finished, loss_curve, read_record, read_result, write_record
+from ..layers import has_batch_statistics
 from .launch import load_cfg
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRAIN_NET = os.path.join(REPO_ROOT, "tools", "train_net.py")
-DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "demo_compare_norms.yaml")
+# train_net from the package that runs the sweep (whose root goes first on the runs' import path)
+TRAIN_NET = ("-m", "sn_detection.engine.train_net")
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_CONFIG = os.path.join(model_zoo.CONFIG_DIR, "demo_compare_norms.yaml")
 DEFAULT_SETTINGS = ("BN", "GN", "SN", "DN", "MGN", "SN/GN", "GN/SN")
 DEFAULT_SEEDS = (1, 2, 3)
 DEFAULT_OUTPUT_DIR = os.path.join("output", "compare_norms")
@@ -105,7 +107,7 @@ class RunSpec:
     train_args: tuple[str, ...]  # --config-file FILE and KEY VALUE overrides, OUTPUT_DIR last
 
     def command(self) -> list[str]:
-        return [sys.executable, TRAIN_NET, "--resume", *self.train_args]
+        return [sys.executable, *TRAIN_NET, "--resume", *self.train_args]
 
     def new_record(self) -> dict:
         return {
@@ -136,8 +138,7 @@ def scaled_schedule(cfg, iterations: int) -> list[str]:
 
 def has_batch_statistics_norm(cfg, norm: str) -> bool:
     """Whether a ``norm`` layer built with cfg's options has batch-dependent test statistics."""
-    with norm_options_applied(norm_options_from_cfg(cfg)):
-        return has_batch_statistics(get_norm(norm, 64))
+    return has_batch_statistics(norm_layer(cfg, norm, 64))
 
 
 def plan_runs(
@@ -204,7 +205,7 @@ def child_environment() -> dict:
     """The environment of a train_net run: this one, with this sn_detection first on the import path,
     so that the run uses the same package as the sweep even where it is not installed."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
     return env
 
 
@@ -261,7 +262,7 @@ def run_sweep(runs: Sequence[RunSpec], report_after_each: Optional[Callable[[], 
 
 def describe(cfg, config_file: str, runs: Sequence[RunSpec]) -> str:
     """The paragraph above the results table: what was trained and evaluated, and how to read it."""
-    relative = os.path.relpath(os.path.abspath(config_file), REPO_ROOT)
+    relative = os.path.relpath(os.path.abspath(config_file), os.path.dirname(model_zoo.CONFIG_DIR))
     config = relative if not relative.startswith("..") else config_file
     seeds = sorted({run.seed for run in runs})
     iterations = sorted({run.iterations for run in runs})

@@ -5,8 +5,7 @@ The images are the first ``--num-images`` of a registered dataset (``--dataset``
 ``--input`` (paths or glob patterns), drawn as predictions. Each one is written as a PNG into
 ``--output`` (default OUTPUT_DIR/demo). The model is the config's with its trained weights (see
 ``trained``); it runs as detectron2's ``DefaultPredictor`` runs it (shortest edge resized to
-INPUT.MIN_SIZE_TEST, at most MAX_SIZE_TEST, images in INPUT.FORMAT), but built by
-``sn_detection.d2.build_model`` so that our norms get the config's options.
+INPUT.MIN_SIZE_TEST, at most MAX_SIZE_TEST, images in INPUT.FORMAT).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Config set-up and the main function of tools/train_net.py, kept here so the tool stays a few lines."""
+"""Config set-up and the per-process function of tools/train_net.py (``train_net``)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def setup_cfg(args):
     return cfg
 
 
-def main(args):
+def train_or_evaluate(args):
+    """Train (and evaluate) the config of ``args``, or only evaluate with --eval-only; in each process."""
     register_shapes_datasets()
     cfg = setup_cfg(args)
     check_datasets(cfg.DATASETS.TEST if args.eval_only else [*cfg.DATASETS.TRAIN, *cfg.DATASETS.TEST])

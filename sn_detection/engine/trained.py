@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from detectron2.modeling import build_model
 from torch import nn
 
 from .. import d2
@@ -32,9 +33,9 @@ def weights_on_command_line(opts: list) -> bool:
 
 
 def load_trained_model(cfg, opts: list) -> tuple[nn.Module, str]:
-    """The model of ``cfg`` (our norms configured, frozen stages frozen) in evaluation mode, with its
-    trained weights (see the module docstring); returns it and the weights file."""
-    model = d2.build_model(cfg)
+    """The model of ``cfg`` in evaluation mode, with its trained weights (see the module docstring);
+    returns it and the weights file."""
+    model = build_model(cfg)
     checkpointer = d2.CheckedCheckpointer(model, save_dir=cfg.OUTPUT_DIR)
     if weights_on_command_line(opts):
         weights = cfg.MODEL.WEIGHTS

@@ -1,9 +1,11 @@
-"""The trainer behind tools/train_net.py: detectron2's DefaultTrainer whose model has our norms
-configured by ``cfg.MODEL.SN`` and frozen in frozen stages, whose optimizer applies our norms' rules, and
-whose COCO evaluation also writes its AP to a JSON file and prints a one-line summary.
+"""The trainer behind tools/train_net.py: detectron2's DefaultTrainer (whose ``build_model`` builds the
+config's model, our norms with their options included, through ``SNMetaArch``) with our optimizer rules,
+the batch-average and norm-analysis hooks, and a COCO evaluation that also writes its AP to a JSON file
+and prints a one-line summary.
 
 Also: several processes on the CPU (``--num-gpus K`` without a GPU: K gloo processes), a resumed
-training equal to an uninterrupted one (see ``resume``), and no checkpoint with NaN or Inf (``finite``).
+training equal to an uninterrupted one (see ``resume``), and no checkpoint with NaN or Inf
+(``CheckedCheckpointer``).
 """
 
 from __future__ import annotations
@@ -23,19 +25,19 @@ from detectron2.utils.logger import setup_logger
 from .. import d2
 from ..d2.hooks import build_batch_average_hook, insert_before_evaluation
 from ..d2.norm_analysis import build_norm_analysis_hook
+from ..evidence.runs import RESULTS_FILE
 from . import resume
-from .finite import FiniteCheckpointer
-
-RESULTS_FILE = "eval_results.json"
 
 logger = logging.getLogger(__name__)
 
 
 class Trainer(DefaultTrainer):
     def __init__(self, cfg):
-        """DefaultTrainer's construction with two changes: on the CPU, DistributedDataParallel gets no
-        ``device_ids`` (detectron2's create_ddp_model passes the local rank, which DDP rejects for a CPU
-        model), and the checkpointer is a ``FiniteCheckpointer``."""
+        """A fork of ``DefaultTrainer.__init__`` as it is in detectron2 main from 2024-04 (sal-detectron2
+        0.7.2) to 2026-11, with two changes: on the CPU, DistributedDataParallel gets no ``device_ids``
+        (detectron2's ``create_ddp_model`` passes the local rank, which DDP rejects for a CPU model, and
+        ``__init__`` offers no seam to change that), and the checkpointer is a ``CheckedCheckpointer``.
+        Re-read upstream's ``__init__`` when updating detectron2."""
         TrainerBase.__init__(self)
         if not logging.getLogger("detectron2").isEnabledFor(logging.INFO):
             setup_logger()
@@ -47,7 +49,7 @@ class Trainer(DefaultTrainer):
         model = create_ddp_model(model, broadcast_buffers=False, **({"device_ids": None} if on_cpu else {}))
         self._trainer = (AMPTrainer if cfg.SOLVER.AMP.ENABLED else SimpleTrainer)(model, data_loader, optimizer)
         self.scheduler = self.build_lr_scheduler(cfg, optimizer)
-        self.checkpointer = FiniteCheckpointer(model, cfg.OUTPUT_DIR, trainer=weakref.proxy(self))
+        self.checkpointer = d2.CheckedCheckpointer(model, cfg.OUTPUT_DIR, trainer=weakref.proxy(self))
         self.start_iter = 0
         self.max_iter = cfg.SOLVER.MAX_ITER
         self.cfg = cfg
@@ -64,12 +66,6 @@ class Trainer(DefaultTrainer):
     @classmethod
     def build_train_loader(cls, cfg, start_batch: int = 0):
         return resume.build_train_loader(cfg, start_batch)
-
-    @classmethod
-    def build_model(cls, cfg):
-        model = d2.build_model(cfg)
-        logger.info("Model:\n%s", model)
-        return model
 
     @classmethod
     def build_optimizer(cls, cfg, model):

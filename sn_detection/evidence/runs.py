@@ -14,9 +14,9 @@ import os
 import statistics
 from dataclasses import dataclass
 
-from ..engine.trainer import RESULTS_FILE
-
 RUN_RECORD = "sweep_run.json"
+# what tools/train_net.py writes after its final evaluation (the trainer imports the name from here)
+RESULTS_FILE = "eval_results.json"
 METRICS_FILE = "metrics.json"
 
 # result column -> (COCOEvaluator task, metric)

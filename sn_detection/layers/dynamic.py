@@ -69,7 +69,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from .freezing import FreezableNorm
+from .options import BOOLEAN, FRACTION, POSITIVE, POSITIVE_INT, Rule, check_options
+from .running import RunningMoments, group_sums, moments_from_sums
 from .statistics import MomentNormalizer, affine_from_moments
 
 # Magnitude of the initial gate logits: the sign is the initial gate; an optimizer step has to move a
@@ -121,24 +122,11 @@ def _expressible_groups(num_channels: int) -> list[int]:
     return sorted({num_channels} | {2**j for j in range(levels + 1)})
 
 
-def _check_options(num_channels, eps, momentum, init_groups, init_batch_pool) -> None:
-    if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 1:
-        raise ValueError(f"num_channels must be a positive int, got {num_channels!r}")
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps!r}")
-    if not 0 <= momentum <= 1:
-        raise ValueError(f"momentum must be in [0, 1] (PyTorch convention), got {momentum!r}")
-    valid = _expressible_groups(num_channels)
-    if init_groups is not None and init_groups not in valid:
-        raise ValueError(
-            f"init_groups={init_groups!r} cannot be expressed by DN's gates for {num_channels} channels; "
-            f"valid choices: {valid} (C itself, or a power of two dividing C)"
-        )
-    if not isinstance(init_batch_pool, bool):
-        raise ValueError(f"init_batch_pool must be True or False, got {init_batch_pool!r}")
+# None (the default grouping) or a group count; whether a count suits the channels is checked on build
+_GROUP_COUNT = Rule(lambda v: v is None or POSITIVE_INT.holds(v), "an int >= 1 (or None: the default grouping)")
 
 
-class DynamicNorm2d(MomentNormalizer, FreezableNorm, nn.Module):
+class DynamicNorm2d(MomentNormalizer, RunningMoments, nn.Module):
     """Dynamic Normalization over (N, C, H, W) input; see the module docstring for the equations.
 
     Args:
@@ -150,6 +138,9 @@ class DynamicNorm2d(MomentNormalizer, FreezableNorm, nn.Module):
         init_batch_pool: start with the batch gate on (BN-like pooling over the batch).
     """
 
+    option_rules = {"eps": POSITIVE, "momentum": FRACTION, "init_groups": _GROUP_COUNT, "init_batch_pool": BOOLEAN}
+    gate_parameters = ("channel_gates", "batch_gate")
+
     def __init__(
         self,
         num_channels: int,
@@ -159,8 +150,13 @@ class DynamicNorm2d(MomentNormalizer, FreezableNorm, nn.Module):
         init_groups: Optional[int] = None,
         init_batch_pool: bool = False,
     ):
+        if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 1:
+            raise ValueError(f"DynamicNorm2d: num_channels must be a positive int, got {num_channels!r}")
+        check_options(
+            type(self), self.option_rules, eps=eps, momentum=momentum, init_groups=init_groups,
+            init_batch_pool=init_batch_pool,
+        )  # fmt: skip
         super().__init__()
-        _check_options(num_channels, eps, momentum, init_groups, init_batch_pool)
         self.num_channels = num_channels
         self.eps = eps
         self.momentum = momentum
@@ -172,16 +168,29 @@ class DynamicNorm2d(MomentNormalizer, FreezableNorm, nn.Module):
         self._gated_dims = ([levels + 1] if odd > 1 else []) + [levels - j for j in range(levels)]
         self._gated_sizes = ([odd] if odd > 1 else []) + [2] * levels
 
-        if init_groups is None:
-            init_groups = min(_DEFAULT_GROUPS, 2**levels)
-        self.weight = nn.Parameter(torch.ones(num_channels))
-        self.bias = nn.Parameter(torch.zeros(num_channels))
-        self.channel_gates = nn.Parameter(self._initial_channel_logits(init_groups))
-        self.batch_gate = nn.Parameter(torch.tensor(_GATE_LOGIT_INIT if init_batch_pool else -_GATE_LOGIT_INIT))
-        self.register_buffer("running_mean", torch.zeros(num_channels))
-        self.register_buffer("running_var", torch.ones(num_channels))
-        # Count-weighted sums (count, count * mean, count * E[x^2]) while a batch average is running.
-        self._average_sums: Optional[list[Tensor]] = None
+        valid = _expressible_groups(num_channels)
+        if init_groups is not None and init_groups not in valid:
+            raise ValueError(
+                f"DynamicNorm2d: init_groups={init_groups!r} cannot be expressed by DN's gates for {num_channels} "
+                f"channels; valid choices: {valid} (C itself, or a power of two dividing C)"
+            )
+        self.init_groups = min(_DEFAULT_GROUPS, 2**levels) if init_groups is None else init_groups
+        self.init_batch_pool = init_batch_pool
+        self.weight = nn.Parameter(torch.empty(num_channels))
+        self.bias = nn.Parameter(torch.empty(num_channels))
+        self.channel_gates = nn.Parameter(torch.empty(len(self._gated_sizes)))
+        self.batch_gate = nn.Parameter(torch.empty(()))
+        self._register_running_moments(num_channels)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Affine 1, 0; the initial gates (``init_groups``, ``init_batch_pool``); running statistics reset."""
+        self.reset_running_stats()
+        with torch.no_grad():
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+            self.channel_gates.copy_(self._initial_channel_logits(self.init_groups))
+            self.batch_gate.fill_(_GATE_LOGIT_INIT if self.init_batch_pool else -_GATE_LOGIT_INIT)
 
     def _initial_channel_logits(self, groups: int) -> Tensor:
         """Logits whose gates average contiguous blocks of num_channels // groups channels."""
@@ -206,21 +215,23 @@ class DynamicNorm2d(MomentNormalizer, FreezableNorm, nn.Module):
             pools_batch=bool(self.batch_gate.detach() > 0),
         )
 
-    def scale_and_shift(self, mean: Tensor, var: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
-        """The per-(n, c) scale and shift this layer applies, y = x * scale + shift, from the IN mean and
-        variance (N, C) of an input with ``spatial_size`` = H * W; updates the running statistics in training."""
-        mean, var = self._pool_batch(mean, var, spatial_size)
+    def scale_and_shift(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
+        """The per-(n, c) scale and shift this layer applies, y = (x - mean_in) * scale + shift, from the IN
+        mean and variance (N, C) of an input with ``spatial_size`` = H * W; updates the running statistics
+        in training."""
+        mean, var = self._pool_batch(mean_in, var_in, spatial_size)
         mean, var = self._pool_channels(mean, var)
-        return affine_from_moments(self.weight.to(mean.dtype), self.bias.to(mean.dtype), mean, var, self.eps)
+        weight, bias = self.weight.to(mean.dtype), self.bias.to(mean.dtype)
+        return affine_from_moments(weight, bias, mean - mean_in, var, self.eps)
 
     def _pool_batch(self, mean: Tensor, var: Tensor, pixels: int):
         """Apply U: mix each sample's moments with the batch's (training; the batch's moments also go
         to the running statistics or the batch average) or with the running ones (test)."""
-        count = mean.shape[0] * pixels
-        if self.training and count > 0:
-            target_mean, target_var = _pooled_moments(mean, var, dim=0)
-            # detached: TorchScript ignores _record_batch's no_grad decorator
-            self._record_batch(target_mean[0].detach(), target_var[0].detach(), count)
+        if self.training and mean.shape[0] > 0:
+            sums = group_sums(mean, var, pixels)
+            self._track(sums)
+            target_mean, target_var = moments_from_sums(sums)
+            target_mean, target_var = target_mean.to(mean.dtype), target_var.to(mean.dtype)
         else:
             target_mean = self.running_mean.to(mean.dtype)
             target_var = self.running_var.to(mean.dtype)
@@ -237,40 +248,6 @@ class DynamicNorm2d(MomentNormalizer, FreezableNorm, nn.Module):
             target_mean, target_var = _pooled_moments(mean, var, dim)
             mean, var = _mixture_moments(mean, var, gate, target_mean, target_var)
         return mean.reshape(rows, self.num_channels), var.reshape(rows, self.num_channels)
-
-    @torch.no_grad()
-    def _record_batch(self, batch_mean: Tensor, batch_var: Tensor, count: int) -> None:
-        if self._average_sums is not None:
-            mean, var = batch_mean.double(), batch_var.double()
-            sums = (count, count * mean, count * (var + mean.square()))
-            self._average_sums = [total + new for total, new in zip(self._average_sums, sums)]
-        else:
-            self.running_mean.lerp_(batch_mean.to(self.running_mean.dtype), self.momentum)
-            self.running_var.lerp_(batch_var.to(self.running_var.dtype), self.momentum)
-
-    def start_batch_average(self) -> None:
-        """Begin the batch average: training-mode forwards now accumulate exact batch statistics
-        instead of updating the running ones; `finish_batch_average()` writes the pooled result."""
-        zeros = torch.zeros(self.num_channels, dtype=torch.float64, device=self.running_mean.device)
-        self._average_sums = [zeros.new_zeros(()), zeros, zeros.clone()]
-
-    def finish_batch_average(self) -> None:
-        """Write the statistics of all batches seen since `start_batch_average()` into the running
-        buffers, as if those batches had been one batch."""
-        # leave averaging mode first, so that a failed finish does not leave the layer stuck in it
-        sums, self._average_sums = self._average_sums, None
-        if sums is None:
-            raise RuntimeError("finish_batch_average() called without start_batch_average()")
-        count, mean_sum, square_sum = sums
-        if count == 0:
-            raise RuntimeError(
-                "finish_batch_average(): no non-empty training-mode batch was seen since "
-                "start_batch_average(); run some batches with the module in train mode first"
-            )
-        mean = mean_sum / count
-        var = (square_sum / count - mean.square()).clamp_min(0)
-        self.running_mean.copy_(mean)
-        self.running_var.copy_(var)
 
     def extra_repr(self) -> str:
         return f"{self.num_channels}, eps={self.eps}, momentum={self.momentum}, grouping={self.selected_grouping()}"

@@ -12,14 +12,19 @@ PyTorch would return float32) behave as for the other layers.
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .options import POSITIVE, POSITIVE_INT, check_options
 from .statistics import stat_dtype
 
 
 class GroupNorm2d(nn.GroupNorm):
     """GN over (N, C, H, W) inputs with ``num_groups`` groups of channels."""
 
+    option_rules = {"num_groups": POSITIVE_INT, "eps": POSITIVE}
+    gate_parameters = ()
+
     def __init__(self, num_channels: int, *, num_groups: int = 32, eps: float = 1e-5):
-        if num_groups <= 0 or num_channels % num_groups:
+        check_options(type(self), self.option_rules, num_groups=num_groups, eps=eps)
+        if num_channels % num_groups:
             raise ValueError(f"GroupNorm2d: num_channels={num_channels} is not divisible by num_groups={num_groups}")
         super().__init__(num_groups, num_channels, eps=eps)
 

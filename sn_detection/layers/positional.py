@@ -16,17 +16,22 @@ statistics and training and evaluation behave identically. Choices:
 import torch
 from torch import Tensor, nn
 
+from .options import POSITIVE, check_options
 from .statistics import stat_dtype
 
 
 def pono(x: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor, Tensor]:
     """(normalized, mean, std) of PONO for an (N, C, H, W) x; mean and std are (N, 1, H, W), float32+."""
     xs = x.to(stat_dtype(x))
-    mean = xs.mean(1, keepdim=True)
-    centered = xs - mean
+    # the mean as one channel's value plus the mean offset from it: a plain mean of C large values keeps
+    # only their last place, the offsets keep as many digits as their spread
+    shift = xs[:, :1]
+    centered = xs - shift
+    offset = centered.mean(1, keepdim=True)
+    centered = centered - offset
     # two passes rather than torch.var_mean, which warns on empty batches
     std = torch.sqrt(centered.square().mean(1, keepdim=True) + eps)
-    return centered / std, mean, std
+    return centered / std, shift + offset, std
 
 
 def moment_shortcut(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
@@ -37,7 +42,11 @@ def moment_shortcut(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
 class PositionalNorm2d(nn.Module):
     """PONO followed by a per-channel affine."""
 
+    option_rules = {"eps": POSITIVE}
+    gate_parameters = ()
+
     def __init__(self, num_channels: int, *, eps: float = 1e-5):
+        check_options(type(self), self.option_rules, eps=eps)
         super().__init__()
         self.num_channels = num_channels
         self.eps = eps

@@ -22,8 +22,9 @@ Choices the paper leaves open:
 import torch
 from torch import Tensor, nn
 
-from .freezing import FreezableNorm
-from .statistics import RunningMoments, batch_sums, instance_moments, moments_from_sums, scale_shift, stat_dtype
+from .options import FRACTION, POSITIVE, check_options
+from .running import RunningMoments, group_sums, moments_from_sums
+from .statistics import instance_moments, scale_shift, stat_dtype
 
 
 class _SignedPower(torch.autograd.Function):
@@ -40,7 +41,12 @@ class _SignedPower(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         (z,) = ctx.saved_tensors
         p = ctx.p
-        slope = z.abs().pow_(p - 1).mul_(p).masked_fill_(z == 0, 1.0 if p == 1 else 0.0)
+        at_zero = 1.0 if p == 1 else 0.0
+        if torch.is_grad_enabled():  # create_graph: the same slope in differentiable, out-of-place operations
+            zero = z == 0
+            magnitude = torch.where(zero, torch.ones_like(z), z.abs())  # no infinite derivative at 0
+            return torch.where(zero, torch.full_like(z, at_zero), p * magnitude.pow(p - 1)) * grad, None
+        slope = z.abs().pow_(p - 1).mul_(p).masked_fill_(z == 0, at_zero)
         return slope.mul_(grad), None
 
 
@@ -51,36 +57,49 @@ def signed_power(z: Tensor, p: float) -> Tensor:
     return _SignedPower.apply(z, p)
 
 
-class SkewnessReducedBatchNorm2d(FreezableNorm, RunningMoments, nn.Module):
+class SkewnessReducedBatchNorm2d(RunningMoments, nn.Module):
     """BNSR over (N, C, H, W) inputs; drop-in for ``BatchNorm2d`` (same parameters and buffers)."""
 
+    option_rules = {"p": POSITIVE, "eps": POSITIVE, "momentum": FRACTION}
+    gate_parameters = ()
     unbiased_running_var = True
 
     def __init__(self, num_channels: int, *, p: float = 1.01, eps: float = 1e-5, momentum: float = 0.1):
-        if not p > 0:
-            raise ValueError(f"SkewnessReducedBatchNorm2d: p must be > 0, got p={p}")
+        check_options(type(self), self.option_rules, p=p, eps=eps, momentum=momentum)
         super().__init__()
         self.num_channels = num_channels
         self.p = p
         self.eps = eps
         self.momentum = momentum
-        self.weight = nn.Parameter(torch.ones(num_channels))
-        self.bias = nn.Parameter(torch.zeros(num_channels))
+        self.weight = nn.Parameter(torch.empty(num_channels))
+        self.bias = nn.Parameter(torch.empty(num_channels))
         self._register_running_moments(num_channels)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Affine 1, 0 and running statistics reset, as BatchNorm2d."""
+        self.reset_running_stats()
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.num_channels}, p={self.p}, eps={self.eps}, momentum={self.momentum}"
 
     def forward(self, x: Tensor) -> Tensor:
+        if not torch.jit.is_scripting():
+            self._follow_freezing()
         mean, var = self._batch_statistics(x) if self.training else (self.running_mean, self.running_var)
         n, c = x.shape[:2]
-        inv_std = torch.rsqrt(var + self.eps)
-        z = scale_shift(x.to(stat_dtype(x)), inv_std.expand(n, c), (-mean * inv_std).expand(n, c))
-        y = scale_shift(signed_power(z, self.p), self.weight.expand(n, c), self.bias.expand(n, c))
+        inv_std = torch.rsqrt(var + self.eps).expand(n, c)
+        zeros = torch.zeros_like(inv_std)
+        # centred at the batch mean, not folded into x * a + b: see ``statistics``
+        z = scale_shift(x.to(stat_dtype(x)), inv_std, zeros, mean.expand(n, c))
+        y = scale_shift(signed_power(z, self.p), self.weight.expand(n, c), self.bias.expand(n, c), zeros)
         return y.to(x.dtype)
 
     def _batch_statistics(self, x: Tensor) -> tuple[Tensor, Tensor]:
         mean_in, var_in = instance_moments(x)
-        sums = batch_sums(mean_in, var_in, x.shape[2] * x.shape[3])
+        sums = group_sums(mean_in, var_in, x.shape[2] * x.shape[3])
         self._track(sums)
-        return moments_from_sums(sums)
+        mean, var = moments_from_sums(sums)
+        return mean.to(mean_in.dtype), var.to(mean_in.dtype)

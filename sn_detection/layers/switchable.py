@@ -41,69 +41,72 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
 
-from .freezing import FreezableNorm
-from .statistics import (
-    MomentNormalizer,
-    MomentSums,
-    RunningMoments,
-    affine_from_moments,
-    batch_sums,
-    layer_moments,
-    moments_from_sums,
-)
+from .options import BOOLEAN, FRACTION, POSITIVE, check_options
+from .running import MomentSums, RunningMoments, group_sums, moments_from_sums
+from .statistics import MomentNormalizer, affine_from_moments, layer_moments
 
 
-class SwitchableNorm2d(MomentNormalizer, FreezableNorm, RunningMoments, nn.Module):
+class SwitchableNorm2d(MomentNormalizer, RunningMoments, nn.Module):
     """Switchable Normalization over (N, C, H, W) inputs; see the module docstring."""
 
+    option_rules = {"eps": POSITIVE, "momentum": FRACTION, "use_bn": BOOLEAN}
+    # the parameters that choose statistics (the optimizer's gate rules apply to them)
+    gate_parameters = ("mean_weight", "var_weight")
+
     def __init__(self, num_channels: int, *, eps: float = 1e-5, momentum: float = 0.1, use_bn: bool = True):
+        check_options(type(self), self.option_rules, eps=eps, momentum=momentum, use_bn=use_bn)
         super().__init__()
         self.num_channels = num_channels
         self.eps = eps
         self.momentum = momentum
         self.use_bn = use_bn
-        self.weight = nn.Parameter(torch.ones(num_channels))
-        self.bias = nn.Parameter(torch.zeros(num_channels))
+        self.weight = nn.Parameter(torch.empty(num_channels))
+        self.bias = nn.Parameter(torch.empty(num_channels))
         num_branches = 3 if use_bn else 2
-        self.mean_weight = nn.Parameter(torch.ones(num_branches))
-        self.var_weight = nn.Parameter(torch.ones(num_branches))
+        self.mean_weight = nn.Parameter(torch.empty(num_branches))
+        self.var_weight = nn.Parameter(torch.empty(num_branches))
         if use_bn:
             self._register_running_moments(num_channels)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Affine 1, 0; every logit 1 (the paper's lambda = 1: equal importance); running statistics reset."""
+        self.reset_running_stats()
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+        nn.init.ones_(self.mean_weight)
+        nn.init.ones_(self.var_weight)
 
     def extra_repr(self) -> str:
         return f"{self.num_channels}, eps={self.eps}, momentum={self.momentum}, use_bn={self.use_bn}"
 
     def scale_and_shift(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
-        """The per-(n, c) scale and shift this layer applies, y = x * scale + shift, from the IN mean and
-        variance (N, C) of an input with ``spatial_size`` = H * W; updates the running statistics in training."""
+        """The per-(n, c) scale and shift this layer applies, y = (x - mean_in) * scale + shift, from the IN
+        mean and variance (N, C) of an input with ``spatial_size`` = H * W; updates the running statistics
+        in training."""
         mean_ln, var_ln = layer_moments(mean_in, var_in)
-        means, variances = [mean_in, mean_ln], [var_in, var_ln]
+        # the means as offsets from mean_in (IN's own offset is 0): differences of nearby values keep
+        # their digits, which the centred output needs (``statistics``)
+        offsets, variances = [torch.zeros_like(mean_in), mean_ln - mean_in], [var_in, var_ln]
         if self.use_bn:
             mean_bn, var_bn = self._batch_branch(mean_in, var_in, spatial_size)
-            means.append(mean_bn)
+            offsets.append(mean_bn - mean_in)
             variances.append(var_bn)
-        mean = _mix(self.mean_weight, means)
+        offset = _mix(self.mean_weight, offsets)
         var = _mix(self.var_weight, variances)
-        return affine_from_moments(self.weight, self.bias, mean, var, self.eps)
+        return affine_from_moments(self.weight, self.bias, offset, var, self.eps)
 
     def _batch_branch(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         if not self.training:
             return self.running_mean, self.running_var
-        sums = self._reduce(batch_sums(mean_in, var_in, spatial_size))
+        sums = self._reduce(group_sums(mean_in, var_in, spatial_size))
         self._track(sums)
-        return moments_from_sums(sums)
+        mean, var = moments_from_sums(sums)
+        return mean.to(mean_in.dtype), var.to(mean_in.dtype)
 
     def _reduce(self, sums: MomentSums) -> MomentSums:
         """Pools the BN-branch sums over the units that share statistics; here, this process only."""
         return sums
-
-    def start_batch_average(self) -> None:
-        if self.use_bn:
-            super().start_batch_average()
-
-    def finish_batch_average(self) -> None:
-        if self.use_bn:
-            super().finish_batch_average()
 
 
 class SyncSwitchableNorm2d(SwitchableNorm2d):
@@ -117,10 +120,10 @@ class SyncSwitchableNorm2d(SwitchableNorm2d):
             )
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return sums
-        # one collective for all three sums; a process with an empty batch contributes zeros
-        packed = dist_fn.all_reduce(torch.cat([sums.total, sums.total_sq, sums.count.view(1)]))
-        total, total_sq, count = packed.split([self.num_channels, self.num_channels, 1])
-        return MomentSums(total, total_sq, count.squeeze(0))
+        # one collective for all three float64 sums; a process with an empty batch contributes zeros
+        packed = dist_fn.all_reduce(torch.cat([sums.count.view(1), sums.total, sums.total_sq]))
+        count, total, total_sq = packed.split([1, self.num_channels, self.num_channels])
+        return MomentSums(count.squeeze(0), total, total_sq)
 
 
 def _mix(logits: Tensor, statistics: list[Tensor]) -> Tensor:

@@ -1,7 +1,7 @@
 """Bad values of sn_detection's config keys, and unknown names in the norm keys, fail up front with a
 ValueError that names the key and what is valid: when the config is read (the engine's ``setup_cfg``,
 before anything is written) and when a model is built from it. (Group counts that do not suit a layer's
-channels fail when the model is built: tests/d2/test_registry.py.)"""
+channels fail when the model is built: tests/d2/test_meta_arch.py.)"""
 
 import argparse
 import re
@@ -9,7 +9,9 @@ import re
 import pytest
 from tiny_rcnn import FPN_PARTS, tiny_cfg
 
-from sn_detection.d2 import build_model, norm_options_from_cfg, validate_sn_config
+from detectron2.modeling import build_model
+
+from sn_detection.d2 import validate_sn_config
 from sn_detection.engine import setup_cfg
 from sn_detection.layers import NORM_NAMES
 
@@ -41,7 +43,7 @@ def test_the_defaults_are_valid():
 def test_out_of_range_values_fail_when_the_model_is_built(key, value, valid):
     cfg = tiny_cfg("SN", "fpn", key, value)
     with pytest.raises(ValueError, match=message_of(key, value, valid)):
-        norm_options_from_cfg(cfg)
+        validate_sn_config(cfg)
     with pytest.raises(ValueError, match=message_of(key, value, valid)):
         build_model(cfg)
 

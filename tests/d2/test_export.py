@@ -18,7 +18,7 @@ from detectron2.structures import Boxes
 from tiny_rcnn import IMAGE_SIZE, synthetic_batch, tiny_cfg, train_step
 from torch import Tensor
 
-from sn_detection.d2 import build_model
+from detectron2.modeling import build_model
 from sn_detection.layers import NORM_NAMES
 
 # What Instances hold in R-CNN inference (detectron2's own scripting test declares the same fields).

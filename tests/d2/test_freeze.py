@@ -1,5 +1,6 @@
 """Frozen stages: our norms there keep their parameters and running statistics and normalize as at test
-time, also in model.train(); the other norms train."""
+time, also in model.train() and on any entry point (freezing is derived from detectron2's
+requires_grad=False, not applied by a step after the build); the other norms train."""
 
 import copy
 
@@ -8,8 +9,8 @@ import torch
 from torch import nn
 from tiny_rcnn import is_frozen_stage, norms_under, snapshot, tiny_cfg, train_step
 
-from sn_detection.d2 import freeze_norms
-from sn_detection.engine import Trainer
+from detectron2.modeling import build_model
+
 from sn_detection.layers import FreezableNorm, SwitchableNorm2d, build_norm
 
 # The layers with batch-dependent statistics, configured so that the batch matters in training.
@@ -44,26 +45,40 @@ def test_a_frozen_layer_normalizes_as_in_evaluation_and_changes_nothing(name):
     assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
 
 
-def test_freeze_norms_freezes_exactly_the_norms_without_trainable_parameters():
+def test_a_norm_is_frozen_exactly_when_none_of_its_parameters_trains():
     model = nn.Sequential(SwitchableNorm2d(4), SwitchableNorm2d(4), SwitchableNorm2d(4), nn.GroupNorm(2, 4))
     model[0].requires_grad_(False)
     model[1].mean_weight.requires_grad_(False)
     model[3].requires_grad_(False)
 
-    assert freeze_norms(model) == ["0"]
     model.train()
     assert [m.training for m in model] == [False, True, True, True]
-    assert not model[1].frozen and not model[2].frozen
+    assert [m.frozen for m in model[:3]] == [True, False, False]
+    model[0].requires_grad_(True)  # derived, not stored: unfreezing the parameters unfreezes the layer
+    assert not model[0].frozen and model.train()[0].training
+
+
+@pytest.mark.parametrize("name", FREEZABLE)
+def test_a_layer_frozen_after_it_entered_training_mode_leaves_it_at_its_next_forward(name):
+    """A model trained without ever calling train(): detectron2 freezes a stage in its constructor, when
+    the layers are already in (the default) training mode."""
+    layer = trained_layer(name)
+    reference = copy.deepcopy(layer).eval()
+    layer.requires_grad_(False)
+    assert layer.training
+    x = torch.randn(3, 8, 5, 5)
+    torch.testing.assert_close(layer(x), reference(x), rtol=0, atol=0)
+    assert not layer.training
 
 
 def test_frozen_stages_stay_frozen_across_a_training_step():
     torch.manual_seed(0)
     cfg = tiny_cfg("SN", "fpn")
-    model = Trainer.build_model(cfg)
+    model = build_model(cfg)
     norms = norms_under(model, "")
     frozen = {name for name in norms if is_frozen_stage(name)}
     assert frozen and {name for name, m in norms.items() if m.frozen} == frozen
-    unfrozen_keys = Trainer.build_model(tiny_cfg("SN", "fpn", "MODEL.BACKBONE.FREEZE_AT", 0)).state_dict().keys()
+    unfrozen_keys = build_model(tiny_cfg("SN", "fpn", "MODEL.BACKBONE.FREEZE_AT", 0)).state_dict().keys()
     assert model.state_dict().keys() == unfrozen_keys
 
     model.train()

@@ -11,7 +11,9 @@ import torch
 from detectron2.utils.events import EventStorage
 from tiny_rcnn import synthetic_batch, tiny_cfg
 
-from sn_detection.d2 import build_model, build_optimizer
+from detectron2.modeling import build_model
+
+from sn_detection.d2 import build_optimizer
 from sn_detection.layers import NORM_NAMES
 
 PRECISIONS = {

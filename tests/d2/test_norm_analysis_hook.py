@@ -9,7 +9,9 @@ from detectron2.engine import SimpleTrainer
 from PIL import Image
 from tiny_rcnn import synthetic_batch, tiny_cfg
 
-from sn_detection.d2 import build_model, build_optimizer
+from detectron2.modeling import build_model
+
+from sn_detection.d2 import build_optimizer
 from sn_detection.d2.components import component_of
 from sn_detection.d2.norm_analysis import NormAnalysis, build_norm_analysis_hook
 from sn_detection.layers import ModeGroupNorm2d, SwitchableNorm2d

@@ -8,10 +8,9 @@ from detectron2.config import get_cfg
 from detectron2.solver import build_lr_scheduler
 from torch import nn
 
-from sn_detection.d2 import add_sn_config, build_optimizer
-from sn_detection.d2.optimizer import GATE_PARAMETERS, NORM_TYPES
+from sn_detection.d2 import add_sn_config, build_optimizer, get_optimizer_params
 from sn_detection.engine import Trainer
-from sn_detection.layers import NORM_NAMES, build_norm
+from sn_detection.layers import NORM_CLASSES, NORM_NAMES, build_norm, gate_parameter_names
 
 BASE_LR, WEIGHT_DECAY, WEIGHT_DECAY_NORM, GATE_WEIGHT_DECAY, GATE_LR_FACTOR = 0.02, 1e-4, 2e-5, 3e-6, 0.1
 
@@ -45,12 +44,14 @@ def hyperparameters(optimizer):
     return found
 
 
-def test_every_parameter_of_our_norms_is_affine_or_a_gate():
+def test_every_parameter_of_our_norms_is_affine_or_a_gate_the_layer_names():
     for name in NORM_NAMES:
         layer = build_norm(name, 32)
-        assert isinstance(layer, NORM_TYPES)
+        assert isinstance(layer, NORM_CLASSES)
         names = {n for n, _ in layer.named_parameters()}
-        assert names - GATE_PARAMETERS == {"weight", "bias"}, name
+        assert names - set(gate_parameter_names(layer)) == {"weight", "bias"}, name
+        assert set(gate_parameter_names(layer)) <= names, name
+    assert gate_parameter_names(nn.Conv2d(3, 3, 1)) == () and gate_parameter_names(nn.BatchNorm2d(3)) == ()
 
 
 def test_groups_hold_the_norm_and_gate_rules():
@@ -60,7 +61,7 @@ def test_groups_hold_the_norm_and_gate_rules():
     gates = 0
     for name in NORM_NAMES:
         for param_name, param in model[name].named_parameters():
-            if param_name in GATE_PARAMETERS:
+            if param_name in gate_parameter_names(model[name]):
                 gates += 1
                 assert found[param] == pytest.approx((BASE_LR * GATE_LR_FACTOR, GATE_WEIGHT_DECAY)), (name, param_name)
             else:
@@ -105,6 +106,17 @@ def test_the_schedule_keeps_the_gate_lr_factor():
         scheduler.step()
         assert gate_group["lr"] == pytest.approx(GATE_LR_FACTOR * conv_group["lr"])
     assert conv_group["lr"] < BASE_LR
+
+
+def test_plain_arguments_give_the_groups_of_the_config():
+    """What a LazyConfig sets (configs/lazy) is what a yaml config sets."""
+    model = network()
+    params = get_optimizer_params(
+        model, base_lr=BASE_LR, weight_decay_norm=WEIGHT_DECAY_NORM, gate_lr_factor=GATE_LR_FACTOR,
+        gate_weight_decay=GATE_WEIGHT_DECAY,
+    )  # fmt: skip
+    optimizer = torch.optim.SGD(params, lr=BASE_LR, momentum=0.9, weight_decay=WEIGHT_DECAY)
+    assert hyperparameters(optimizer) == hyperparameters(build_optimizer(solver_cfg(), model))
 
 
 def test_the_trainer_builds_this_optimizer():

@@ -30,6 +30,7 @@ def tiny_cfg(norm: str = "", arch: str = "fpn", *opts):
     cfg = get_cfg()
     add_sn_config(cfg)
     cfg.merge_from_list([
+        "MODEL.META_ARCHITECTURE", "SNMetaArch",
         "MODEL.DEVICE", "cpu",
         "MODEL.BACKBONE.FREEZE_AT", 2,
         "MODEL.RESNETS.DEPTH", 50,

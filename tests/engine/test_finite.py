@@ -1,5 +1,5 @@
 """A training whose loss or weights stop being finite stops with a message naming the iteration and
-what is not finite, and leaves no model_final.pth (sn_detection.engine.finite)."""
+what is not finite, and leaves no model_final.pth (sn_detection.d2.checkpointer)."""
 
 import math
 
@@ -9,7 +9,7 @@ from detectron2.engine import HookBase
 
 from shrunk_training import shrunk_cfg
 from sn_detection.engine import Trainer
-from sn_detection.engine.finite import non_finite_entries
+from sn_detection.d2.checkpointer import non_finite_entries
 
 # 2 iterations: the failure comes at the last, whose checkpoint is model_final.pth
 OPTS = ["SOLVER.MAX_ITER", "2", "SEED", "1"]

@@ -293,7 +293,7 @@ def test_batch_average_without_batches_is_an_error():
     layer.start_batch_average()
     layer.eval()(torch.randn(2, 4, 3, 3))
     layer.train()(torch.zeros(0, 4, 3, 3))
-    with pytest.raises(RuntimeError, match="no non-empty training-mode batch"):
+    with pytest.raises(RuntimeError, match="batch average has no statistics"):
         layer.finish_batch_average()
 
 

@@ -98,8 +98,9 @@ def test_mode_norm_matches_algorithms_1_and_2(dtype, num_modes):
         torch.testing.assert_close(layer(x).double(), expected, **tolerance)
         running_mean = 0.9 * running_mean + 0.1 * mean
         running_sq_mean = 0.9 * running_sq_mean + 0.1 * sq_mean
+    # the layer keeps Alg. 2's E[x] and E[x^2] as the mean and the variance E[x^2] - E[x]^2
     torch.testing.assert_close(layer.running_mean.double(), running_mean, **tolerance)
-    torch.testing.assert_close(layer.running_sq_mean.double(), running_sq_mean, **tolerance)
+    torch.testing.assert_close(layer.running_var.double(), running_sq_mean - running_mean.square(), **tolerance)
 
     layer.eval()
     x = multimodal_input((3, 5, 3, 4), generator, dtype)
@@ -119,8 +120,7 @@ def test_mode_norm_with_one_mode_is_batch_norm():
 
     layer.eval()
     x = multimodal_input((3, 6, 3, 3), generator, torch.float32)
-    running_var = layer.running_sq_mean[0] - layer.running_mean[0].square()
-    expected = F.batch_norm(x, layer.running_mean[0], running_var, layer.weight, layer.bias, eps=EPS)
+    expected = F.batch_norm(x, layer.running_mean[0], layer.running_var[0], layer.weight, layer.bias, eps=EPS)
     torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
 
 
@@ -149,7 +149,7 @@ def test_mode_norm_batch_average_equals_estimates_of_all_batches_together():
 
     _, mean, sq_mean = naive_mode_estimates(torch.cat(batches), layer.gate.weight, layer.gate.bias)
     torch.testing.assert_close(layer.running_mean.double(), mean, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(layer.running_sq_mean.double(), sq_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.running_var.double(), sq_mean - mean.square(), rtol=1e-5, atol=1e-6)
 
 
 def test_mode_norm_batch_average_weights_batches_by_pixels():
@@ -177,7 +177,7 @@ def test_mode_norm_batch_average_without_batches_is_an_error():
     layer.start_batch_average()
     layer.eval()(torch.randn(2, 4, 3, 3))
     layer.train()(torch.zeros(0, 4, 3, 3))
-    with pytest.raises(RuntimeError, match="no non-empty training-mode batch"):
+    with pytest.raises(RuntimeError, match="batch average has no statistics"):
         layer.finish_batch_average()
 
 
@@ -207,7 +207,7 @@ def test_mode_norm_mode_with_no_samples_stays_finite():
     out = layer(x)
     out.square().sum().backward()
     assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
-    assert torch.isfinite(layer.running_mean).all() and torch.isfinite(layer.running_sq_mean).all()
+    assert torch.isfinite(layer.running_mean).all() and torch.isfinite(layer.running_var).all()
 
 
 # ---------------------------------------------------------------- MGN

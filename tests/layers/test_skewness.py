@@ -119,7 +119,7 @@ def test_gradients(training):
 
 @pytest.mark.parametrize("p", [0.0, -1.0])
 def test_non_positive_p_is_rejected(p):
-    with pytest.raises(ValueError, match="p must be > 0"):
+    with pytest.raises(ValueError, match=r"p=-?[0-9.]+ is invalid: it must be a number > 0"):
         SkewnessReducedBatchNorm2d(4, p=p)
 
 

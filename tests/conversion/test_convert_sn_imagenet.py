@@ -16,7 +16,7 @@ from resnet_sources import (
 )
 from torch import nn
 
-from sn_detection.checkpoint import convert_file, write_checkpoint
+from sn_detection.conversion import convert_file, write_checkpoint
 from sn_detection.layers import SwitchableNorm2d
 
 

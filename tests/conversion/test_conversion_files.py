@@ -11,8 +11,8 @@ import pytest
 import torch
 from resnet_sources import read_converted, torchvision_resnet
 
-from sn_detection.checkpoint import files, write_checkpoint
-from sn_detection.checkpoint.cli import EXIT_FAILURE, main
+from sn_detection.conversion import files, write_checkpoint
+from sn_detection.conversion.cli import EXIT_FAILURE, main
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 STATE = {"stem.conv1.weight": torch.randn(64, 3, 7, 7), "stem.conv1.norm.bias": torch.randn(64)}

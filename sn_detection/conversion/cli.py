@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     try:
         state, report = convert_file(args.source, args.src, args.norm)
         write_checkpoint(
-            state, args.dst, author=f"sn_detection.checkpoint ({args.source}: {os.path.basename(args.src)})"
+            state, args.dst, author=f"sn_detection.conversion ({args.source}: {os.path.basename(args.src)})"
         )
     except ConversionError as error:
         if error.report is not None:

@@ -7,7 +7,9 @@ import pytest
 import torch
 from tiny_rcnn import tiny_cfg
 
-from sn_detection.d2 import CheckedCheckpointer, build_model
+from detectron2.modeling import build_model
+
+from sn_detection.d2 import CheckedCheckpointer
 
 
 @pytest.fixture

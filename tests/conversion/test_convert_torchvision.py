@@ -9,7 +9,7 @@ from resnet_sources import (
     read_converted,
 )
 
-from sn_detection.checkpoint import convert_file, write_checkpoint
+from sn_detection.conversion import convert_file, write_checkpoint
 from sn_detection.layers import GroupNorm2d, SwitchableNorm2d
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from resnet_sources import sn_authors_checkpoint, torchvision_resnet, write_pickle
 
-from sn_detection.checkpoint import ConversionError, convert_file
-from sn_detection.checkpoint.cli import EXIT_FAILURE, main
+from sn_detection.conversion import ConversionError, convert_file
+from sn_detection.conversion.cli import EXIT_FAILURE, main
 from sn_detection.layers import SwitchableNorm2d
 
 

@@ -11,7 +11,7 @@ from resnet_sources import (
     write_pickle,
 )
 
-from sn_detection.checkpoint import convert_file, write_checkpoint
+from sn_detection.conversion import convert_file, write_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,13 @@
-"""Loading a model's weights (``MODEL.WEIGHTS``, or the last checkpoint when resuming) with clear errors.
+"""``CheckedCheckpointer``: detectron2's ``DetectionCheckpointer`` that loads with clear errors and never
+saves NaN or Inf.
 
-detectron2's ``DetectionCheckpointer`` fails with a bare AssertionError on a missing file and with
-whatever pickle or torch raise on a file that is no checkpoint (``invalid load key``, ``Ran out of
-input``, ...), and it loads a checkpoint none of whose tensors fit the model with warnings only: training
-then starts from scratch without saying so. ``CheckedCheckpointer`` loads exactly as detectron2 does
-(model-zoo pickles, the matching heuristics, partial loads that warn about missing, unexpected or
-mis-shaped keys, as when finetuning with another number of classes) and raises instead:
+Loading (``MODEL.WEIGHTS``, or the last checkpoint when resuming). detectron2's checkpointer fails with a
+bare AssertionError on a missing file and with whatever pickle or torch raise on a file that is no
+checkpoint (``invalid load key``, ``Ran out of input``, ...), and it loads a checkpoint none of whose
+tensors fit the model with warnings only: training then starts from scratch without saying so. This one
+loads exactly as detectron2 does (model-zoo pickles, the matching heuristics, partial loads that warn
+about missing, unexpected or mis-shaped keys, as when finetuning with another number of classes) and
+raises instead:
 
 - ``FileNotFoundError`` for a local file that does not exist;
 - ``ValueError`` for a file that no reader takes, or whose model entry is not a dict of tensors (the
@@ -13,7 +15,12 @@ mis-shaped keys, as when finetuning with another number of classes) and raises i
 - ``ValueError`` when not one tensor of the checkpoint loads into the model: a checkpoint of another
   architecture, or an ImageNet model that ``tools/convert_pretrained.py`` has not converted.
 
-Saving is unchanged.
+Saving. detectron2's trainer stops with ``FloatingPointError("Loss became infinite or NaN at
+iteration=...")`` when the loss is not finite, before the optimizer step. Non-finite *gradients* behind a
+finite loss (an overflow in the backward, an absurd learning rate) pass that check: the step writes NaN
+or Inf into the weights, and the checkpoint of that iteration (model_final.pth at the last one) would
+hold them; running statistics can also become non-finite in a forward. ``save`` refuses such a state and
+raises ``FloatingPointError`` naming the iteration and the first non-finite tensors, writing nothing.
 """
 
 from __future__ import annotations
@@ -25,14 +32,37 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 from detectron2.checkpoint import DetectionCheckpointer
+from torch import nn
 
 _EXAMPLES = 3  # keys quoted in a message
+_NAMES_SHOWN = 5  # non-finite tensors named in a message
+
+
+def non_finite_entries(model: nn.Module) -> list[str]:
+    """The state-dict keys of ``model`` whose floating-point tensors hold a NaN or an Inf."""
+    return [
+        key
+        for key, value in model.state_dict().items()
+        if value.is_floating_point() and not bool(value.isfinite().all())
+    ]
 
 
 class CheckedCheckpointer(DetectionCheckpointer):
-    """``DetectionCheckpointer`` whose loading fails clearly (see the module docstring)."""
+    """``DetectionCheckpointer`` whose loading fails clearly and whose saving refuses NaN and Inf (see the
+    module docstring)."""
 
     _loading = None  # the path being loaded, for messages
+
+    def save(self, name: str, **kwargs) -> None:
+        bad = non_finite_entries(self.model) if self.save_dir and self.save_to_disk else []
+        if bad:
+            where = f" at iteration {kwargs['iteration']}" if "iteration" in kwargs else ""
+            more = f" and {len(bad) - _NAMES_SHOWN} more" if len(bad) > _NAMES_SHOWN else ""
+            raise FloatingPointError(
+                f"Not saving checkpoint {name!r}{where}: the model holds NaN or Inf in "
+                f"{', '.join(bad[:_NAMES_SHOWN])}{more}"
+            )
+        super().save(name, **kwargs)
 
     def load(self, path, *args, **kwargs):
         if path and not urlparse(path).scheme:  # a local file (URLs are fetched by detectron2)

@@ -8,9 +8,9 @@ from detectron2.modeling import build_model
 from resnet_sources import assert_loaded, load_with_checkpointer, read_converted
 from torch import nn
 
-from sn_detection import d2
 from sn_detection import model_zoo as sn_model_zoo
-from sn_detection.checkpoint import INPUT_CONVENTIONS, convert_file, write_checkpoint
+from sn_detection.d2 import add_sn_config
+from sn_detection.conversion import INPUT_CONVENTIONS, convert_file, write_checkpoint
 from sn_detection.layers import SwitchableNorm2d
 
 MASK_RCNN_FPN = "COCO-InstanceSegmentation/mask_rcnn_R_50_FPN_1x.yaml"
@@ -36,11 +36,15 @@ def gn_converted(gn_file, tmp_path_factory):
 
 
 def build(config: str, source: str, norm: str | None = None):
+    """detectron2's model-zoo config, with ``norm`` in the backbone: a stock config made to build our
+    norms takes sn_detection's keys and SNMetaArch around its meta-architecture."""
     cfg = model_zoo.get_config(config)
+    add_sn_config(cfg)
     cfg.merge_from_list(["MODEL.DEVICE", "cpu", "MODEL.WEIGHTS", ""])
     cfg.merge_from_list(INPUT_CONVENTIONS[source].config_overrides())
     if norm:
-        cfg.merge_from_list(["MODEL.RESNETS.NORM", norm])
+        cfg.merge_from_list(["MODEL.RESNETS.NORM", norm, "MODEL.SN.META_ARCHITECTURE", cfg.MODEL.META_ARCHITECTURE,
+                             "MODEL.META_ARCHITECTURE", "SNMetaArch"])
     return build_model(cfg)
 
 
@@ -91,11 +95,11 @@ def sn_converted(sn_file, tmp_path_factory):
 
 
 def test_mask_rcnn_sn_2x_config(sn_converted):
-    """The paper's SN/SN Mask R-CNN config, with MODEL.RESNETS.NORM "SN" resolved by our registration,
-    takes every backbone tensor of the converted SN file, running statistics and logits included."""
+    """The paper's SN/SN Mask R-CNN config, with MODEL.RESNETS.NORM "SN" built by SNMetaArch, takes every
+    backbone tensor of the converted SN file, running statistics and logits included."""
     cfg = sn_model_zoo.get_config("mask_rcnn_sn_2x")
     cfg.merge_from_list(["MODEL.DEVICE", "cpu", "MODEL.WEIGHTS", ""])
-    model = d2.build_model(cfg)
+    model = build_model(cfg)
     warnings = load_with_checkpointer(model, sn_converted)
     assert_loaded(model, read_converted(sn_converted), prefixes=("backbone.bottom_up.",))
     assert_no_backbone_warning(warnings, ("bottom_up",))

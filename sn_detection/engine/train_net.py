@@ -1,0 +1,31 @@
+"""``python -m sn_detection.engine.train_net``: what ``tools/train_net.py`` runs, importable so that other
+tools (the norm sweep) start training runs from the installed package.
+
+    python -m sn_detection.engine.train_net --config-file CONFIG [--eval-only] [--resume] [--num-gpus K] \
+        [KEY VALUE ...]
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from detectron2.engine import default_argument_parser, launch
+
+from .launch import train_or_evaluate
+
+
+def main(argv: Optional[Sequence[str]] = None):
+    """Parse detectron2's training arguments and run ``train_or_evaluate`` in K processes."""
+    args = default_argument_parser().parse_args(argv)
+    return launch(
+        train_or_evaluate,
+        args.num_gpus,
+        num_machines=args.num_machines,
+        machine_rank=args.machine_rank,
+        dist_url=args.dist_url,
+        args=(args,),
+    )
+
+
+if __name__ == "__main__":
+    main()

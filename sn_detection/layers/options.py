@@ -1,0 +1,43 @@
+"""The rules a layer's keyword options must follow, stated once by the layer that owns them.
+
+Each layer class lists its options' rules in ``option_rules`` (option name -> ``Rule``) and checks its
+constructor's arguments with ``check_options``. Everything else that validates option values (the
+factory, detectron2 config validation) asks the layer classes, so a rule is written in one place. Rules
+here do not know the channel count: whether a group count suits a layer's channels is checked by the
+layer's constructor.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Callable, Mapping, NamedTuple
+
+
+class Rule(NamedTuple):
+    """What an option's value must be: a predicate and its wording for error messages."""
+
+    holds: Callable[[object], bool]
+    text: str
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+POSITIVE = Rule(lambda v: _is_number(v) and v > 0, "a number > 0")
+FRACTION = Rule(lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1] (PyTorch's momentum convention)")
+BOOLEAN = Rule(lambda v: isinstance(v, bool), "True or False")
+POSITIVE_INT = Rule(lambda v: _is_int(v) and v >= 1, "an int >= 1")
+
+
+def check_options(owner: type, rules: Mapping[str, Rule], **options) -> None:
+    """Raise a ValueError naming ``owner``, the option and its valid values for the first of ``options``
+    that breaks its rule in ``rules``."""
+    for name, value in options.items():
+        rule = rules[name]
+        if not rule.holds(value):
+            raise ValueError(f"{owner.__name__}: {name}={value!r} is invalid: it must be {rule.text}")

@@ -1,0 +1,220 @@
+"""Running statistics of the layers whose test-time statistics pool training batches, and the SN paper's
+batch average: one base, ``RunningMoments``, for SN / SyncSN (the BN branch), DN (batch pooling), MN
+(per-mode estimates) and BNSR, as torch's ``_NormBase`` is for every BatchNorm.
+
+A layer hands each training batch's statistics to ``_track`` as ``MomentSums``: per channel (per mode and
+channel for MN, whose samples count for a mode in proportion to their gates) the total weight, the
+weighted sum of x and the weighted sum of x^2. Sums rather than means, so that batches, processes and
+modes of any size combine exactly (law of total variance); in float64, so that E[x^2] - E[x]^2 keeps
+fp32 accuracy even where a channel's mean is 1e4 times its spread.
+
+Buffers, with torch's names: ``running_mean``, ``running_var`` (shape (C,), or (K, C) for MN) and
+``num_batches_tracked``. Updates follow torch's momentum convention, m = ``momentum``:
+
+    running_mean = (1 - m) running_mean + m mean
+    running_var  = (1 - m) running_var  + m var                                     (SN, DN, BNSR)
+    running_var  = (1 - m) running_var  + m var + m (1 - m) (mean - running_mean)^2  (MN)
+
+The MN line is the paper's Alg. 2 (momentum on E[x] and E[x^2]) written for the variance: it is the
+variance of that mixture, computed without subtracting two large second moments. A batch without values
+(an empty batch, a mode no sample chose) changes nothing. ``running_var`` is the biased variance unless
+the class sets ``unbiased_running_var`` (BNSR, like BatchNorm).
+
+The batch average (SN paper, Sec. 2.1, Inference): between ``start_batch_average()`` and
+``finish_batch_average()`` training-mode forwards add their sums to a float64 ``MomentAccumulator``
+instead of moving the running statistics, and ``finish`` stores the statistics of all those batches as
+of one batch (``num_batches_tracked`` is left alone; a channel or mode that received no value keeps its
+statistics). ``sn_detection.layers.batch_average`` runs it over a whole model.
+
+State dicts of earlier versions load: ``num_batches_tracked`` is added where it was missing (DN and MN
+had none), and MN's former ``running_sq_mean`` (E[x^2]) becomes ``running_var``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from .freezing import FreezableNorm
+
+NO_STATISTICS = (
+    "batch average has no statistics: run forwards in training mode on non-empty batches between "
+    "start_batch_average() and finish_batch_average()"
+)
+
+
+class MomentSums(NamedTuple):
+    """Weighted sufficient statistics per channel (and mode), float64: ``count`` (S) the total weight,
+    ``total`` (S + (C,)) the weighted sum of x, ``total_sq`` the weighted sum of x^2; S is () or (K,)."""
+
+    count: Tensor
+    total: Tensor
+    total_sq: Tensor
+
+
+def group_sums(mean: Tensor, var: Tensor, size: int) -> MomentSums:
+    """The ``MomentSums`` of groups of ``size`` values each (H * W pixels, say), given by their means and
+    biased variances (G, C): for instance the IN statistics of a batch. Differentiable."""
+    mean, var = mean.double(), var.double()
+    count = torch.full((), float(mean.shape[0] * size), dtype=torch.float64, device=mean.device)
+    return MomentSums(count, mean.sum(0) * size, (var + mean.square()).sum(0) * size)
+
+
+def mode_sums(mean: Tensor, var: Tensor, weights: Tensor) -> MomentSums:
+    """The ``MomentSums`` per mode of groups given by their means and biased variances (G, C), group g
+    counting for mode k with weight ``weights[g, k]`` (G, K): sums of shape (K,) and (K, C). Differentiable."""
+    mean, var, weights = mean.double(), var.double(), weights.double()
+    return MomentSums(weights.sum(0), weights.t() @ mean, weights.t() @ (var + mean.square()))
+
+
+def moments_from_sums(sums: MomentSums, min_count: float = torch.finfo(torch.float64).tiny) -> tuple[Tensor, Tensor]:
+    """Mean and biased variance (float64) of pooled sums. The count is clamped at ``min_count`` (by
+    default the smallest positive float64), so that an empty set gives zeros rather than NaN.
+    Differentiable."""
+    count = sums.count.clamp(min=min_count)
+    while count.dim() < sums.total.dim():
+        count = count.unsqueeze(-1)
+    mean = sums.total / count
+    return mean, (sums.total_sq / count - mean.square()).clamp(min=0)
+
+
+def running_target(sums: MomentSums, unbiased: bool) -> tuple[Tensor, Tensor]:
+    """The mean and the variance a running estimate stores for ``sums``: biased, or with Bessel's
+    correction (BatchNorm's convention; a single value contributes a variance of 0)."""
+    mean, var = moments_from_sums(sums)
+    if unbiased:
+        count = sums.count
+        while count.dim() < var.dim():
+            count = count.unsqueeze(-1)
+        var = var * count / (count - 1).clamp(min=1)
+    return mean, var
+
+
+class MomentAccumulator:
+    """Exact pooling of ``MomentSums`` over many batches (detached, float64): ``pooled()`` gives the sums
+    of the concatenation of everything added."""
+
+    def __init__(self):
+        self._sums: Optional[MomentSums] = None
+
+    def add(self, sums: MomentSums) -> None:
+        sums = MomentSums(*(s.detach().double() for s in sums))
+        self._sums = sums if self._sums is None else MomentSums(*map(torch.add, self._sums, sums))
+
+    def pooled(self) -> MomentSums:
+        """The pooled sums; raises a RuntimeError if no value was added."""
+        if self._sums is None or not bool((self._sums.count > 0).any()):
+            raise RuntimeError(NO_STATISTICS)
+        return self._sums
+
+
+_replay = threading.local()
+
+
+@contextlib.contextmanager
+def replaying() -> Iterator[None]:
+    """Within the block, layers record no statistics: a forward run again (to differentiate it once more
+    under create_graph) must not count its batch twice."""
+    previous = getattr(_replay, "active", False)
+    _replay.active = True
+    try:
+        yield
+    finally:
+        _replay.active = previous
+
+
+@torch.jit.unused
+def _is_replaying():
+    return getattr(_replay, "active", False)
+
+
+def _per_row(mask: Tensor, target: Tensor) -> Tensor:
+    """``mask`` of shape S broadcast against a buffer of shape S + (C,)."""
+    while mask.dim() < target.dim():
+        mask = mask.unsqueeze(-1)
+    return mask
+
+
+class RunningMoments(FreezableNorm):
+    """Mixin owning the running statistics and the batch average of a norm layer (module docstring).
+
+    A subclass calls ``_register_running_moments(shape)`` in its constructor (or not at all, when a
+    configuration has nothing to estimate, like SN without its BN branch: then tracking and the batch
+    average do nothing) and ``_track(sums)`` with each training batch's sums."""
+
+    unbiased_running_var = False
+    mixture_running_var = False
+    __constants__ = ("unbiased_running_var", "mixture_running_var")  # how TorchScript reads class attributes
+    _version = 2
+
+    def _register_running_moments(self, shape) -> None:
+        self.register_buffer("running_mean", torch.zeros(shape))
+        self.register_buffer("running_var", torch.ones(shape))
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        self._batch_average = None
+
+    def _tracks_running_moments(self) -> bool:
+        return "running_mean" in self._buffers
+
+    def reset_running_stats(self) -> None:
+        """Running mean 0, running variance 1, no batch tracked (torch's BatchNorm convention)."""
+        if self._tracks_running_moments():
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def _track(self, sums: MomentSums) -> None:
+        """Record a training batch: into the batch average if one is running, else into the running
+        statistics with the layer's momentum."""
+        if not torch.jit.is_scripting() and _is_replaying():
+            return
+        sums = MomentSums(sums.count.detach(), sums.total.detach(), sums.total_sq.detach())
+        if self._batch_average is not None:
+            self._batch_average.add(sums)
+            return
+        mean, var = running_target(sums, self.unbiased_running_var)
+        old_mean, old_var = self.running_mean.double(), self.running_var.double()
+        new_var = old_var.lerp(var, self.momentum)
+        if self.mixture_running_var:
+            new_var = new_var + self.momentum * (1 - self.momentum) * (mean - old_mean).square()
+        # torch.where rather than an `if`: a count pooled across processes lives on the device, and
+        # reading it would stall the host at every layer
+        seen = sums.count > 0
+        self.running_mean.copy_(torch.where(_per_row(seen, mean), old_mean.lerp(mean, self.momentum), old_mean))
+        self.running_var.copy_(torch.where(_per_row(seen, var), new_var, old_var))
+        self.num_batches_tracked.add_(seen.any().long())
+
+    def start_batch_average(self) -> None:
+        """From now on, training-mode forwards pool their statistics instead of moving the running ones."""
+        if self._tracks_running_moments():
+            self._batch_average = MomentAccumulator()
+
+    def finish_batch_average(self) -> None:
+        """Store the statistics of every batch pooled since ``start_batch_average()`` and stop pooling."""
+        if not self._tracks_running_moments():
+            return
+        # leave averaging mode first, so that a failed finish does not leave the layer stuck in it
+        accumulator, self._batch_average = self._batch_average, None
+        if accumulator is None:
+            raise RuntimeError("finish_batch_average() called without start_batch_average()")
+        sums = accumulator.pooled()
+        mean, var = running_target(sums, self.unbiased_running_var)
+        seen = sums.count > 0
+        with torch.no_grad():
+            self.running_mean.copy_(torch.where(_per_row(seen, mean), mean, self.running_mean.double()))
+            self.running_var.copy_(torch.where(_per_row(seen, var), var, self.running_var.double()))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        version = local_metadata.get("version")
+        earlier = version is None or version < 2
+        if self._tracks_running_moments() and earlier and prefix + "running_mean" in state_dict:
+            if prefix + "running_sq_mean" in state_dict and prefix + "running_var" not in state_dict:
+                square = state_dict.pop(prefix + "running_sq_mean")
+                mean = state_dict[prefix + "running_mean"]
+                state_dict[prefix + "running_var"] = (square - mean.square()).clamp(min=0)
+            state_dict.setdefault(prefix + "num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
