@@ -1,0 +1,88 @@
+"""The CPU demo as a LazyConfig: the twin of configs/demo_mask_rcnn_sn.yaml (Mask R-CNN R50-FPN from
+scratch with Switchable Norm in the backbone, FPN and both heads, 160 px inputs, 128-wide FPN and heads,
+on the embedded shapes dataset, 560 iterations at 2 images per batch, the batch average before
+evaluation and the norm analysis every 20 iterations).
+
+    tools/lazyconfig_train_net.py --config-file configs/lazy/demo_mask_rcnn_sn.py
+"""
+
+import detectron2.data.transforms as T
+import torch
+from detectron2.config import LazyCall as L
+from detectron2.layers import ShapeSpec
+from detectron2.model_zoo import get_config
+from detectron2.solver import WarmupParamScheduler
+from fvcore.common.param_scheduler import MultiStepParamScheduler
+
+from sn_detection.d2.optimizer import get_optimizer_params
+from sn_detection.layers import NormFactory
+
+WIDTH = 128  # FPN and heads
+
+model = get_config("common/models/mask_rcnn_fpn.py").model
+sn = L(NormFactory)(name="SN", eps=1e-5, momentum=0.1, use_bn=True)
+model.backbone.bottom_up.stem.norm = sn
+model.backbone.bottom_up.stages.norm = sn
+model.backbone.norm = sn
+model.roi_heads.box_head.conv_norm = sn
+model.roi_heads.mask_head.conv_norm = sn
+
+# from scratch: inputs standardised per channel (BGR, ImageNet statistics), stride in the 3x3 conv
+model.pixel_mean = [103.53, 116.28, 123.675]
+model.pixel_std = [57.375, 57.12, 58.395]
+model.backbone.bottom_up.stages.stride_in_1x1 = False
+model.backbone.bottom_up.freeze_at = 0
+
+model.backbone.out_channels = WIDTH
+model.proposal_generator.head.in_channels = WIDTH
+model.proposal_generator.anchor_generator.sizes = [[16], [32], [64], [128], [256]]
+model.proposal_generator.batch_size_per_image = 128
+model.proposal_generator.pre_nms_topk = (1000, 500)
+model.proposal_generator.post_nms_topk = (256, 200)
+model.roi_heads.num_classes = 5
+model.roi_heads.batch_size_per_image = 64
+model.roi_heads.box_head.input_shape = ShapeSpec(channels=WIDTH, height=7, width=7)
+model.roi_heads.box_head.conv_dims = [WIDTH] * 4
+model.roi_heads.box_head.fc_dims = [256]
+model.roi_heads.box_predictor.input_shape = ShapeSpec(channels=256)
+model.roi_heads.mask_head.input_shape = ShapeSpec(channels=WIDTH, height=14, width=14)
+model.roi_heads.mask_head.conv_dims = [WIDTH] * 5
+
+dataloader = get_config("common/data/coco.py").dataloader
+dataloader.train.dataset.names = "sn_shapes_train"
+dataloader.train.mapper.augmentations = [
+    L(T.ResizeShortestEdge)(short_edge_length=(160,), max_size=266, sample_style="choice"),
+    L(T.RandomFlip)(horizontal=True),
+]
+dataloader.train.mapper.instance_mask_format = "bitmask"  # the embedded dataset's masks are RLE
+dataloader.train.total_batch_size = 2
+dataloader.train.num_workers = 1
+dataloader.test.dataset.names = "sn_shapes_val"
+dataloader.test.mapper.augmentations = [L(T.ResizeShortestEdge)(short_edge_length=160, max_size=266)]
+dataloader.test.num_workers = 1
+
+optimizer = L(torch.optim.SGD)(
+    params=L(get_optimizer_params)(
+        base_lr="${..lr}", weight_decay_norm=0.0, gate_lr_factor=1.0, gate_weight_decay=0.0
+    ),
+    lr=0.01,
+    momentum=0.9,
+    weight_decay=1e-4,
+)
+
+train = get_config("common/train.py").train
+train.max_iter = 560
+train.eval_period = 0  # evaluation after the last iteration
+train.checkpointer.period = 100000
+train.device = "cpu"
+train.seed = 1
+train.output_dir = "output/lazy/demo_mask_rcnn_sn"
+train.batch_average = dict(enabled=True, num_batches=50)
+train.norm_analysis_period = 20
+
+lr_multiplier = L(WarmupParamScheduler)(
+    scheduler=L(MultiStepParamScheduler)(values=[1.0, 0.1, 0.01], milestones=[420, 504], num_updates=560),
+    warmup_length=100 / 560,
+    warmup_method="linear",
+    warmup_factor=0.001,
+)

@@ -1,0 +1,132 @@
+"""tools/lazyconfig_train_net.py: training and COCO evaluation from a LazyConfig (a ``.py`` config in the
+manner of detectron2's ``configs/new_baselines``; ours are in ``configs/lazy``), with the batch-average and
+norm-analysis hooks.
+
+The config's ``model``, ``dataloader`` (``train``, ``test``, ``evaluator``), ``optimizer``,
+``lr_multiplier`` and ``train`` are detectron2's usual keys; ``train`` may add
+
+    batch_average = dict(enabled=..., num_batches=...)   the SN paper's batch average before each
+                                                         evaluation and after training
+    norm_analysis_period = N                             log what the learned norms chose every N
+                                                         iterations (0: off)
+
+Our norms come as ``NormFactory`` objects with their options as plain arguments, so
+``LazyConfig.load`` + ``instantiate`` builds the model the file describes, with no ``MODEL.SN`` involved.
+As in detectron2's own lazy trainer, a resumed run restarts the data stream (the exact resume of
+``tools/train_net.py`` needs its yaml configs), and ``init_checkpoint`` is loaded with our checked
+checkpointer. The latest evaluation goes to ``output_dir/eval_results.json``, as with train_net.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Optional, Sequence
+
+import torch
+from detectron2.config import LazyConfig, instantiate
+from detectron2.engine import (
+    AMPTrainer,
+    SimpleTrainer,
+    create_ddp_model,
+    default_argument_parser,
+    default_setup,
+    default_writers,
+    hooks,
+    launch,
+)
+from detectron2.evaluation import inference_on_dataset, print_csv_format
+from detectron2.utils import comm
+from detectron2.utils.logger import setup_logger
+
+from ..d2 import CheckedCheckpointer
+from ..d2.hooks import batch_average_hook, insert_before_evaluation
+from ..d2.norm_analysis import norm_analysis_hook
+from ..data.datasets import register_shapes_datasets
+from .trainer import write_results
+
+logger = logging.getLogger(__name__)
+
+
+def evaluate(cfg, model) -> dict:
+    """COCO evaluation of ``model`` on ``dataloader.test`` with ``dataloader.evaluator``; written to
+    ``train.output_dir/eval_results.json``."""
+    if "evaluator" not in cfg.dataloader:
+        return {}
+    results = inference_on_dataset(model, instantiate(cfg.dataloader.test), instantiate(cfg.dataloader.evaluator))
+    print_csv_format(results)
+    if comm.is_main_process():
+        write_results(cfg.train.output_dir, {cfg.dataloader.test.dataset.names: results})
+    return results
+
+
+def training_hooks(cfg, model, trainer, checkpointer) -> list:
+    """detectron2's lazy-trainer hooks, with the batch average before checkpointing and evaluation and
+    the norm analysis before the writers."""
+    main_process = comm.is_main_process()
+    base = [
+        hooks.IterationTimer(),
+        hooks.LRScheduler(scheduler=instantiate(cfg.lr_multiplier)),
+        hooks.PeriodicCheckpointer(checkpointer, **cfg.train.checkpointer) if main_process else None,
+        hooks.EvalHook(cfg.train.eval_period, lambda: evaluate(cfg, model)),
+    ]
+    averaging = cfg.train.get("batch_average", {})
+    if averaging.get("enabled", False):
+        loader_cfg = copy.deepcopy(cfg.dataloader.train)
+        loader_cfg.num_workers = 0  # as DefaultTrainer does for PreciseBN
+        # a fresh loader: the lazy trainer's streams restart on resume
+        average = batch_average_hook(model, lambda _: instantiate(loader_cfg), averaging.num_batches, cfg.train.eval_period)
+        base = insert_before_evaluation(base, average)
+    analysis = norm_analysis_hook(model, cfg.train.get("norm_analysis_period", 0), cfg.train.output_dir)
+    base = insert_before_evaluation(base, analysis)
+    if main_process:
+        base.append(hooks.PeriodicWriter(default_writers(cfg.train.output_dir, cfg.train.max_iter), cfg.train.log_period))
+    return [hook for hook in base if hook is not None]
+
+
+def train(cfg, resume: bool) -> None:
+    """Train ``cfg`` with detectron2's lazy trainer, our hooks and checkpointer; the EvalHook evaluates
+    after the last iteration."""
+    model = instantiate(cfg.model)
+    logger.info("Model:\n%s", model)
+    model.to(cfg.train.device)
+    cfg.optimizer.params.model = model
+    optimizer = instantiate(cfg.optimizer)
+    loader = instantiate(cfg.dataloader.train)
+    on_cpu = torch.device(cfg.train.device).type == "cpu"
+    model = create_ddp_model(model, **cfg.train.ddp, **({"device_ids": None} if on_cpu else {}))
+    trainer = (AMPTrainer if cfg.train.amp.enabled else SimpleTrainer)(model, loader, optimizer)
+    checkpointer = CheckedCheckpointer(model, cfg.train.output_dir, trainer=trainer)
+    trainer.register_hooks(training_hooks(cfg, model, trainer, checkpointer))
+    checkpointer.resume_or_load(cfg.train.init_checkpoint, resume=resume)
+    # the checkpoint stores the iteration that finished: go on with the next one
+    start_iter = trainer.iter + 1 if resume and checkpointer.has_checkpoint() else 0
+    trainer.train(start_iter, cfg.train.max_iter)
+
+
+def train_or_evaluate(args) -> Optional[dict]:
+    """One process of tools/lazyconfig_train_net.py; with --eval-only, returns the AP."""
+    register_shapes_datasets()
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(args.config_file), args.opts)
+    default_setup(cfg, args)
+    setup_logger(output=cfg.train.output_dir, distributed_rank=comm.get_rank(), name="sn_detection")
+    if args.eval_only:
+        model = instantiate(cfg.model)
+        model.to(cfg.train.device)
+        model = create_ddp_model(model)
+        CheckedCheckpointer(model).load(cfg.train.init_checkpoint)
+        return evaluate(cfg, model)
+    train(cfg, args.resume)
+
+
+def main(argv: Optional[Sequence[str]] = None):
+    """Parse detectron2's training arguments (overrides as key=value) and run in K processes."""
+    args = default_argument_parser().parse_args(argv)
+    return launch(
+        train_or_evaluate,
+        args.num_gpus,
+        num_machines=args.num_machines,
+        machine_rank=args.machine_rank,
+        dist_url=args.dist_url,
+        args=(args,),
+    )

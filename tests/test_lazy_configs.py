@@ -1,0 +1,114 @@
+"""The LazyConfigs of configs/lazy: ``LazyConfig.load`` + ``instantiate`` build the model they describe, our
+layers with their options as plain arguments; each is the twin of a yaml config (the same state-dict keys
+and shapes); and tools/lazyconfig_train_net.py trains one a step, with the batch average and the norm
+analysis, and evaluates it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from detectron2.config import LazyConfig, get_cfg, instantiate
+from detectron2.layers import ShapeSpec
+from detectron2.modeling import build_model
+
+from sn_detection import model_zoo
+from sn_detection.d2 import add_sn_config
+from sn_detection.layers import NORM_CLASSES, NormFactory
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAZY = os.path.join(REPO, "configs", "lazy")
+# LazyConfig -> (its yaml twin, the norm of its layers and their options)
+TWINS = {
+    "mask_rcnn_sn_2x.py": ("mask_rcnn_sn_2x", NormFactory("SN", eps=1e-5, momentum=0.1, use_bn=True)),
+    "mask_rcnn_dn_2x.py": (
+        "mask_rcnn_dn_2x",
+        NormFactory("DN", eps=1e-5, momentum=0.1, init_groups=32, init_batch_pool=False),
+    ),
+    "mask_rcnn_mgn_2x.py": ("mask_rcnn_mgn_2x", NormFactory("MGN", eps=1e-5, num_modes=2)),
+    "demo_mask_rcnn_sn.py": ("demo_mask_rcnn_sn", NormFactory("SN", eps=1e-5, momentum=0.1, use_bn=True)),
+}
+
+
+def yaml_twin(name):
+    cfg = get_cfg()
+    add_sn_config(cfg)
+    cfg.merge_from_file(os.path.join(model_zoo.CONFIG_DIR, f"{name}.yaml"))
+    cfg.merge_from_list(["MODEL.DEVICE", "cpu"])
+    return build_model(cfg)
+
+
+@pytest.mark.parametrize("lazy", TWINS)
+def test_the_lazy_model_is_its_yaml_twin(lazy):
+    twin, factory = TWINS[lazy]
+    cfg = LazyConfig.load(os.path.join(LAZY, lazy))
+    torch.manual_seed(0)
+    model = instantiate(cfg.model)
+    expected = factory(64)
+    ours = [m for m in model.modules() if isinstance(m, NORM_CLASSES)]
+    assert len(ours) > 60 and all(type(m) is type(expected) for m in ours)
+    for layer in ours:
+        for option, value in factory.options.items():
+            assert getattr(layer, option) == value, option
+    shapes = {key: value.shape for key, value in model.state_dict().items()}
+    assert shapes == {key: value.shape for key, value in yaml_twin(twin).state_dict().items()}
+
+
+def test_a_saved_lazy_config_builds_the_same_model(tmp_path):
+    cfg = LazyConfig.load(os.path.join(LAZY, "mask_rcnn_sn_2x.py"))
+    LazyConfig.save(cfg, str(tmp_path / "saved.yaml"))
+    saved = LazyConfig.load(str(tmp_path / "saved.yaml"))
+    first, second = instantiate(cfg.model), instantiate(saved.model)
+    assert repr(first) == repr(second)
+    assert first.state_dict().keys() == second.state_dict().keys()
+
+
+def tiny_demo(output_dir):
+    """configs/lazy/demo_mask_rcnn_sn.py shrunk in Python (R18, 16-wide FPN and heads, 64 px, one
+    iteration), as a user would, and saved as the file the tool reads."""
+    cfg = LazyConfig.load(os.path.join(LAZY, "demo_mask_rcnn_sn.py"))
+    stages = cfg.model.backbone.bottom_up.stages
+    stages.depth = 18
+    del stages.stride_in_1x1  # basic blocks take none
+    cfg.model.backbone.out_channels = 16
+    cfg.model.proposal_generator.head.in_channels = 16
+    cfg.model.roi_heads.box_head.input_shape = ShapeSpec(channels=16, height=7, width=7)
+    cfg.model.roi_heads.box_head.conv_dims = [16] * 4
+    cfg.model.roi_heads.box_head.fc_dims = [32]
+    cfg.model.roi_heads.box_predictor.input_shape = ShapeSpec(channels=32)
+    cfg.model.roi_heads.mask_head.input_shape = ShapeSpec(channels=16, height=14, width=14)
+    cfg.model.roi_heads.mask_head.conv_dims = [16] * 5
+    cfg.dataloader.train.mapper.augmentations[0].short_edge_length = (64,)
+    cfg.dataloader.train.mapper.augmentations[0].max_size = 107
+    cfg.dataloader.train.num_workers = 0
+    cfg.dataloader.test.mapper.augmentations[0].short_edge_length = 64
+    cfg.dataloader.test.mapper.augmentations[0].max_size = 107
+    cfg.dataloader.test.num_workers = 0
+    cfg.train.max_iter = 2
+    cfg.train.output_dir = str(output_dir)
+    cfg.train.batch_average.num_batches = 2
+    cfg.train.norm_analysis_period = 1
+    path = output_dir / "tiny_demo.yaml"
+    os.makedirs(output_dir, exist_ok=True)
+    LazyConfig.save(cfg, str(path))
+    return path
+
+
+def test_the_tool_trains_with_the_hooks_and_evaluates(tmp_path):
+    config = tiny_demo(tmp_path / "run")
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "lazyconfig_train_net.py"), "--config-file", str(config)],
+        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    output = tmp_path / "run"
+    assert "Batch average: statistics of" in result.stdout + result.stderr
+    with open(output / "eval_results.json") as f:
+        results = json.load(f)["sn_shapes_val"]
+    assert {"bbox", "segm"} <= set(results) and all(0 <= results[t]["AP"] <= 100 for t in ("bbox", "segm"))
+    with open(output / "metrics.json") as f:
+        logged = [json.loads(line) for line in f]
+    assert any(key.startswith("norm/SN/box_head/") for row in logged for key in row)
+    assert (output / "model_final.pth").is_file() and (output / "norm_evolution_SN.png").is_file()
