@@ -15,6 +15,14 @@ demo:
 	$$py tools/analyze_norms.py --config-file configs/demo_mask_rcnn_sn.yaml
 	$$py tools/demo.py --config-file configs/demo_mask_rcnn_sn.yaml
 
+# The whole suite on the reference stack; then the Triton kernels, run by Triton's interpreter on the CPU
+# in a second environment with current torch and Triton (the reference stack's Triton 2.3.1 cannot
+# interpret them), with the layer tests that go through them there.
+KERNEL_TESTS := tests/kernels tests/layers/test_statistics.py tests/layers/test_edge_cases.py \
+	tests/layers/test_numerics.py::test_fp32_is_as_accurate_as_batch_norm
+
 test:
 	py=$$(tools/setup_env.sh)
 	$$py -m pytest tests
+	kpy=$$(tools/setup_kernel_env.sh)
+	TRITON_INTERPRET=1 $$kpy -m pytest $(KERNEL_TESTS)

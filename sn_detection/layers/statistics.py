@@ -8,13 +8,12 @@ the instance-norm moments of each (sample, channel) over H*W:
 
 so the (N, C, H, W) tensor is only read for the moments and once more for the elementwise output, with a
 per-(n, c) ``scale`` and ``shift`` folding the normalization and the affine; everything in between works
-on (N, C) summaries. The same holds for DN, MN and MGN.
+on (N, C) summaries. The same holds for DN, MN and MGN. The full-size passes themselves, in PyTorch and
+as Triton kernels on GPUs, are ``passes``.
 
 Numerics: fp32 as accurate as torch's BatchNorm whatever a channel's mean-to-spread ratio.
 
-- IN moments: sum(x) and sum(x^2) in one pass each (fp32 accumulation); the (rare) maps whose mean
-  exceeds ten times their spread, where E[x^2] - mean^2 and a summed mean lose digits, are computed
-  again in float64 by the centred two-pass formula (``_moments``).
+- IN moments: accurate whatever the ratio (``passes.moments``).
 - Derived statistics never subtract large second moments: the LN variance is Eq. 5 written as the law
   of total variance, pooled BN statistics are float64 sums (``running.MomentSums``).
 - The output is centred at the IN mean: y = (x - mu_in) * scale + shift, where ``shift`` is computed
@@ -44,39 +43,12 @@ import functools
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from . import passes
 from .freezing import FreezableNorm
+from .passes import plain_scale_shift, stat_dtype
 from .running import replaying
-
-
-def stat_dtype(x: Tensor) -> torch.dtype:
-    """The dtype statistics are computed in: float32, or float64 for float64 inputs."""
-    return torch.promote_types(x.dtype, torch.float32)
-
-
-# Above this ratio mean^2 / var (a mean over three times the spread) a map's moments are recomputed in float64:
-# units of its last place off, and E[x^2] - E[x]^2 loses log10(ratio) digits.
-_ILL_CONDITIONED = 10.0
-
-
-def _moments(xs: Tensor, ill_conditioned: float = _ILL_CONDITIONED) -> tuple[Tensor, Tensor]:
-    """IN mean and biased variance (N, C) of xs, without autograd: one read for sum(x), one for sum(x^2);
-    ill-conditioned maps again, exactly (module docstring)."""
-    count = max(xs.shape[2] * xs.shape[3], 1)
-    mean = xs.sum((2, 3)) / count
-    mean_sq = torch.linalg.vector_norm(xs, dim=(2, 3)).square() / count
-    var = (mean_sq - mean.square()).clamp(min=0)
-    recompute = mean.square() > ill_conditioned * var  # an argument: TorchScript reads no global float
-    # a traced model takes the branch always (with no map it does nothing), not as the tracing input did
-    if torch.jit.is_tracing() or bool(recompute.any()):
-        maps = xs.flatten(2)[recompute].double()
-        exact_mean = maps.mean(1)
-        # index_put, not `t[mask] = v`: the tracer records the latter with the value's shape of the moment
-        mean = mean.index_put((recompute,), exact_mean.to(mean.dtype))
-        var = var.index_put((recompute,), (maps - exact_mean[:, None]).square().mean(1).to(var.dtype))
-    return mean, var
 
 
 class _InstanceMoments(torch.autograd.Function):
@@ -84,7 +56,7 @@ class _InstanceMoments(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor):
-        mean, var = _moments(x.to(stat_dtype(x)))
+        mean, var = passes.moments(x)
         ctx.save_for_backward(x, mean)
         return mean, var
 
@@ -93,9 +65,7 @@ class _InstanceMoments(torch.autograd.Function):
         x, mean = ctx.saved_tensors
         count = max(x.shape[2] * x.shape[3], 1)
         # d mean / dx = 1 / HW and d var / dx = 2 (x - mean) / HW: grad = (x - mean) * p + q
-        p = 2 * grad_var / count
-        q = grad_mean / count
-        return _per_map_affine(x.to(p.dtype), p, q, mean).to(x.dtype)
+        return passes.scale_shift(x, 2 * grad_var / count, grad_mean / count, mean)
 
 
 def instance_moments(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -120,14 +90,13 @@ class _ScaleShift(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, scale: Tensor, shift: Tensor, center: Tensor):
         ctx.save_for_backward(x, scale, center)
-        return _per_map_affine(x.to(scale.dtype), scale, shift, center).to(x.dtype)
+        return passes.scale_shift(x, scale, shift, center)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
         x, scale, center = ctx.saved_tensors
-        xs, gy = x.to(scale.dtype), grad_y.to(scale.dtype)
         grad_x = (grad_y * scale[:, :, None, None]).to(x.dtype) if ctx.needs_input_grad[0] else None
-        dot, total = _centered_dot_and_sum(gy, xs, center)
+        dot, total = passes.centered_dot_and_sum(grad_y, x, center)
         return grad_x, dot, total, -scale * total
 
 
@@ -163,10 +132,9 @@ def normalize_by_moments(x: Tensor, affine: AffineFromMoments, parameters: Seque
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in parameters)):
         return _NormalizeByMoments.apply(x, affine, *parameters)
     with torch.no_grad():
-        xs = x.to(stat_dtype(x))
-        mean_in, var_in = _moments(xs)
+        mean_in, var_in = passes.moments(x)
         scale, shift = _affine_in_stat_dtype(affine, mean_in, var_in)
-        return _per_map_affine(xs, scale, shift, mean_in).to(x.dtype)
+        return passes.scale_shift(x, scale, shift, mean_in)
 
 
 class MomentNormalizer(FreezableNorm):
@@ -197,18 +165,10 @@ def reference_normalize_by_moments(x: Tensor, affine: AffineFromMoments) -> Tens
 
 def plain_moments(x: Tensor) -> tuple[Tensor, Tensor]:
     """The IN mean and biased variance (N, C) of x that ``normalize_by_moments`` uses, in plain tensor
-    operations. With ``plain_scale_shift`` it is what a layer computes under TorchScript, which compiles
-    neither autograd Functions nor callables passed as arguments: the same values, autograd's gradients."""
-    return _moments(x.to(stat_dtype(x)))
-
-
-def plain_scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor) -> Tensor:
-    """(x - center) * scale + shift with scale, shift and center broadcastable to (N, C), computed in their
-    dtype and returned in x's (see ``plain_moments``)."""
-    size = [x.shape[0], x.shape[1]]
-    scale, shift, center = scale.expand(size), shift.expand(size), center.expand(size)
-    centered = x.to(scale.dtype) - center[:, :, None, None]
-    return torch.addcmul(shift[:, :, None, None], centered, scale[:, :, None, None]).to(x.dtype)
+    operations. With ``passes.plain_scale_shift`` it is what a layer computes under TorchScript, which
+    compiles neither autograd Functions nor callables passed as arguments: the same values, autograd's
+    gradients."""
+    return passes.torch_moments(x.to(stat_dtype(x)))
 
 
 def _affine_in_stat_dtype(affine: AffineFromMoments, mean_in: Tensor, var_in: Tensor) -> tuple[Tensor, Tensor]:
@@ -234,8 +194,7 @@ class _NormalizeByMoments(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, affine: AffineFromMoments, *parameters: Tensor):
-        xs = x.to(stat_dtype(x))
-        mean_in, var_in = _moments(xs)
+        mean_in, var_in = passes.moments(x)
         with torch.enable_grad():
             mean_in.requires_grad_(ctx.needs_input_grad[0])
             var_in.requires_grad_(ctx.needs_input_grad[0])
@@ -243,7 +202,7 @@ class _NormalizeByMoments(torch.autograd.Function):
         ctx.save_for_backward(x, *parameters)
         ctx.affine = affine
         ctx.graph = (mean_in, var_in, scale, shift)
-        return _per_map_affine(xs, scale.detach(), shift.detach(), mean_in.detach()).to(x.dtype)
+        return passes.scale_shift(x, scale.detach(), shift.detach(), mean_in.detach())
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
@@ -251,9 +210,8 @@ class _NormalizeByMoments(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
             return _replayed_gradients(ctx, x, parameters, grad_y)
         mean_in, var_in, scale, shift = ctx.graph
-        xs, gy = x.to(scale.dtype), grad_y.to(scale.dtype)
         center = mean_in.detach()
-        dot, total = _centered_dot_and_sum(gy, xs, center)
+        dot, total = passes.centered_dot_and_sum(grad_y, x, center)
         inputs = [t for t in (mean_in, var_in, *parameters) if t.requires_grad]
         # the small graph is kept (it is tiny) so that a backward with retain_graph=True can run again
         grads = iter(torch.autograd.grad((scale, shift), inputs, (dot, total), retain_graph=True, allow_unused=True))
@@ -261,7 +219,10 @@ class _NormalizeByMoments(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_mean, grad_var = next(grads), next(grads)
             grad_mean = (torch.zeros_like(center) if grad_mean is None else grad_mean) - scale.detach() * total
-            grad_x = _grad_input(xs, gy, scale.detach(), center, grad_mean, grad_var).to(x.dtype)
+            grad_var = torch.zeros_like(center) if grad_var is None else grad_var
+            count = max(x.shape[2] * x.shape[3], 1)
+            p, q = 2 * grad_var / count, grad_mean / count
+            grad_x = passes.grad_input(grad_y, x, scale.detach(), p, q, center)
         grad_parameters = [next(grads) if p.requires_grad else None for p in parameters]
         return (grad_x, None, *grad_parameters)
 
@@ -277,51 +238,3 @@ def _replayed_gradients(ctx, x: Tensor, parameters: list, grad_y: Tensor) -> tup
     grad_x = next(grads) if ctx.needs_input_grad[0] else None
     grad_parameters = [next(grads) if needed else None for needed in ctx.needs_input_grad[2:]]
     return (grad_x, None, *grad_parameters)
-
-
-def _centered_dot_and_sum(gy: Tensor, xs: Tensor, center: Tensor) -> tuple[Tensor, Tensor]:
-    """sum(gy * (x - center)) and sum(gy) over H*W per (n, c), in one read of gy and x.
-
-    BatchNorm's evaluation-mode backward computes exactly these two per-channel sums in one fused pass
-    (grad_weight = sum(gy * (x - mean) * invstd) with mean = center and invstd 1, grad_bias = sum(gy));
-    viewing (N, C, H, W) as one sample of N * C channels makes its channels our (n, c) pairs. Under
-    create_graph the plain, differentiable formula is used.
-    """
-    n, c = xs.shape[:2]
-    if torch.is_grad_enabled() or xs.numel() == 0:
-        return (gy * (xs - center[:, :, None, None])).sum((2, 3)), gy.sum((2, 3))
-    ones = xs.new_ones(n * c)
-    _, dot, total = torch.ops.aten.native_batch_norm_backward(
-        gy.reshape(1, n * c, -1), xs.reshape(1, n * c, -1), ones, center.reshape(-1), ones, center.reshape(-1), ones,
-        False, 0.0, [False, True, True],
-    )
-    return dot.view(n, c), total.view(n, c)
-
-
-def _grad_input(xs, gy, scale, center, grad_mean, grad_var) -> Tensor:
-    count = max(xs.shape[2] * xs.shape[3], 1)
-    grad_var = torch.zeros_like(center) if grad_var is None else grad_var
-    p = 2 * grad_var / count
-    q = grad_mean / count
-    # one full-size write, then an in-place update: no second full-size temporary
-    grad_x = _per_map_affine(xs, p, q, center)
-    return grad_x.addcmul_(gy, scale[:, :, None, None])
-
-
-def _per_map_affine(xs: Tensor, scale: Tensor, shift: Tensor, center: Tensor) -> Tensor:
-    """(xs - center) * scale + shift with (N, C) scale, shift and center, into a new tensor.
-
-    BatchNorm's evaluation-mode forward with mean ``center``, variance 1 and eps 0 is exactly this (per
-    channel of the (1, N * C, H * W) view); on CPU its kernel is ~15% faster than broadcasting ops,
-    whose cost, like that of all full-size writes, dominates the layer. Under create_graph the plain,
-    differentiable formula is used.
-    """
-    n, c = scale.shape
-    if torch.is_grad_enabled() or xs.numel() == 0 or not xs.is_contiguous():
-        return plain_scale_shift(xs, scale, shift, center)
-    ones = scale.new_ones(n * c)
-    with torch.autocast(xs.device.type, enabled=False):
-        y = F.batch_norm(xs.view(1, n * c, -1), center.reshape(-1), ones, scale.reshape(-1), shift.reshape(-1), False, 0.0, 0.0)
-    # detached: not a view in autograd's eyes, so that a custom Function returning it allows an in-place
-    # op after the layer (detectron2's ReLU)
-    return y.view_as(xs).detach()

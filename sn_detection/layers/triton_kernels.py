@@ -1,0 +1,412 @@
+"""Triton kernels for the per-(n, c) passes of the moment-based normalizers (``statistics``).
+
+SN, SyncSN, DN, MN and MGN touch the full-size (N, C, H, W) tensors only in four places; everything in
+between is small (N, C) tensor code. Each of the four is one kernel launch here:
+
+- ``moments(x)``: the IN mean and biased variance of every (n, c) map, in one read of x.
+- ``scale_shift(x, scale, shift[, center])``: y = (x - center) * scale + shift with per-map vectors.
+- ``centered_dot_and_sum(grad_y, x, center)``: sum(grad_y * (x - center)) and sum(grad_y) per map, in one
+  read of (grad_y, x).
+- ``grad_input(grad_y, x, scale, p, q, center)``: grad_x = grad_y * scale + (x - center) * p + q, one read
+  of (grad_y, x) and one write.
+
+Types. x and grad_y may be float32, float16 or bfloat16; every per-map vector is a float32 (N, C) tensor.
+Loads are widened to float32 and all arithmetic and accumulation is float32; full-size outputs are
+rounded once to x's dtype. Anything else (float64, other vector dtypes or shapes) raises ValueError, the
+caller's cue to fall back to its PyTorch path.
+
+Layouts. Two memory layouts are supported, and a full-size output has its input's layout:
+
+- NCHW-contiguous: the H*W elements of a map are contiguous (stride 1), maps follow each other.
+- channels_last (NHWC in memory): the H*W elements of a map are strided by C; the C channels of one
+  pixel are contiguous.
+
+Any other strides raise ValueError (the caller may ``.contiguous()`` and retry); grad_y must have the
+same layout as x. When a tensor is both (C == 1 or H*W == 1) the two layouts address memory identically,
+and it is treated as NCHW.
+
+Tiling. Every kernel works on tiles [BLOCK_C, BLOCK_HW] of one sample: BLOCK_C channels by BLOCK_HW
+pixels. The layout decides the tile's shape, so that the contiguous axis of memory is the long axis of
+the tile and a warp's loads are coalesced:
+
+- NCHW: BLOCK_HW = min(next_pow2(H*W), 2048) along the contiguous pixels, and as many channels
+  (BLOCK_C) as fill a tile of 2048 elements; small maps (7x7, 1x1) are packed several to a tile instead
+  of leaving most lanes masked.
+- channels_last: BLOCK_C = min(next_pow2(C), 32) contiguous channels (32 fp16 = 64 bytes: two full
+  32-byte sectors per pixel; 128 bytes in fp32), by BLOCK_HW = 2048 / BLOCK_C pixels.
+
+The two reductions (``moments``, ``centered_dot_and_sum``) run one program per (sample, channel block),
+which loops over H*W tile by tile, accumulating a [BLOCK_C, BLOCK_HW] float32 tile of partial sums that
+is reduced across the tile once at the end (each partial sum holds H*W / BLOCK_HW terms, then a tree of
+log2(BLOCK_HW) additions: better rounding than one running sum). A reduction is deterministic: no
+atomics, one program owns each map. Its parallelism is N * ceil(C / BLOCK_C) programs; layers with few
+large maps (small N*C, huge H*W) would gain from a split-H*W reduction, not done here (it would need a
+second pass or atomics). The elementwise kernels run one program per tile, so their parallelism does not
+depend on N*C. All kernels use 4 warps.
+
+Indexing. Offsets inside a sample are int32 (the wrappers require C*H*W < 2**31); the sample's base
+offset is computed in int64 once per program, so a batch may exceed 2**31 elements.
+
+Accuracy of ``moments`` (shifted sums). E[x^2] - E[x]^2 in float32 cancels catastrophically when a map's
+mean m is large against its spread s: both terms are ~m^2 and their difference ~s^2, so
+log10(m^2 / s^2) digits are lost (8 of float32's 7 at m / s = 1e4: nothing left). The kernel instead sums
+d = x - k for a per-map shift k and returns mean = k + E[d], var = E[d^2] - E[d]^2 (at least 0). The
+shift is the float32 mean of the map's first tile (its first BLOCK_HW elements, or all of a map that fits
+in one tile): the program loads that tile, reduces it to k, and accumulates the same registers into the
+shifted sums before it moves on, so x is still read once. This is accurate because
+
+1. d is exact: when |m| >> s every element of the map, and k (a mean of some of them), lie within a
+   factor 2 of each other, and the float32 difference of two such numbers is exact (Sterbenz's lemma).
+   No digit of the data is lost by the shift. (When |m| is not >> s there is nothing to lose.)
+2. d is of the size of the spread, not of the mean, and the final subtraction cancels only
+   E[d]^2 = (m - k)^2, not m^2: E[d^2] = s^2 + (m - k)^2, so log10(1 + (m - k)^2 / s^2) digits are lost.
+   That is none for a map within one tile (k is its own mean: the two-pass formula in one read) and
+   next to none when the first tile is representative (m - k ~ s / sqrt(BLOCK_HW)). The plain choice
+   k = x[n, c, 0, 0] would lose about a digit for a first element 3 spreads from the mean: the tests
+   measured 1.3e-6 relative error on the variance against BatchNorm's 2e-7; this shift gives 1e-7.
+3. The mean is k plus a small correction E[d], whose own rounding is relative to s, not m.
+
+So the variance keeps about as many digits as BatchNorm's two-pass (or Welford) float32 computation,
+whatever the ratio m / s, in a single read of x. The same holds for ``centered_dot_and_sum``, whose
+x - center is exact for the same reason when center is the map's mean, and for ``scale_shift`` and
+``grad_input`` given a center: x * scale alone would round to the size of m / s and lose as many digits
+(``statistics`` centres its output at the IN mean for this reason; ``scale_shift`` takes the center as an
+optional argument).
+
+Launching. On a GPU the tensors must be CUDA tensors. Without a GPU, Triton's interpreter runs the same
+kernels on the CPU (numpy, slow: tests only) when TRITON_INTERPRET=1 is set *before this module is
+imported* (``triton.jit`` decides at decoration time); CPU tensors are then accepted. CPU tensors
+without the interpreter raise ValueError. Importing this module never fails: without Triton,
+``available()`` is False and every function raises RuntimeError.
+"""
+
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the caller checks available() and keeps its PyTorch path
+    triton = None
+    tl = None
+
+__all__ = ["available", "interpreting", "moments", "scale_shift", "centered_dot_and_sum", "grad_input"]
+
+# triton.jit reads TRITON_INTERPRET when the kernels below are decorated, i.e. at import: the same moment
+# is recorded here, to tell whether CPU tensors can be run.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TILE = 2048  # elements per [BLOCK_C, BLOCK_HW] tile: 16 per thread and accumulator at 4 warps
+_CHANNELS_LAST_BLOCK_C = 32
+_NUM_WARPS = 4
+
+
+def available() -> bool:
+    """Whether Triton imports, i.e. the kernels can be launched (on CUDA tensors, or on CPU tensors under
+    TRITON_INTERPRET=1)."""
+    return triton is not None
+
+
+def interpreting() -> bool:
+    """Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1 when this module was imported),
+    which takes CPU tensors."""
+    return _INTERPRET
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _tile_offsets(c, hw, C, HW, CHANNELS_LAST: tl.constexpr):
+        # Offsets, within one sample, of the [BLOCK_C, BLOCK_HW] tile of channels c and pixels hw. The
+        # layout is a compile-time constant, so the compiler sees the unit stride (pixels in NCHW,
+        # channels in channels_last) and vectorizes the loads along it.
+        if CHANNELS_LAST:
+            return hw[None, :] * C + c[:, None]
+        else:
+            return c[:, None] * HW + hw[None, :]
+
+    @triton.jit
+    def _moments_kernel(
+        x_ptr, mean_ptr, var_ptr, C, HW, c_blocks,
+        CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
+    ):
+        # One program: the maps of one sample n and BLOCK_C channels, looping over H*W.
+        pid = tl.program_id(0)
+        n = pid // c_blocks
+        c = (pid % c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_mask = c < C
+        x_ptr += n.to(tl.int64) * C * HW  # the sample's base, in int64: the batch may pass 2**31 elements
+
+        # The shift: the mean of each map's first tile, which is then accumulated from registers, so x is
+        # still read once (module docstring, "shifted sums"). A map that fits in one tile is thus centred
+        # at its own (float32-rounded) mean: the two-pass formula, in one read.
+        hw = tl.arange(0, BLOCK_HW)
+        mask = c_mask[:, None] & (hw < HW)[None, :]
+        x = tl.load(x_ptr + _tile_offsets(c, hw, C, HW, CHANNELS_LAST), mask=mask, other=0.0).to(tl.float32)
+        shift = tl.sum(x, axis=1) / tl.minimum(HW, BLOCK_HW)
+        # masked lanes must add 0, not 0 - shift
+        d = tl.where(mask, x - shift[:, None], 0.0)
+        sum_d = d
+        sum_d2 = d * d
+        for start in range(BLOCK_HW, HW, BLOCK_HW):
+            hw = start + tl.arange(0, BLOCK_HW)
+            mask = c_mask[:, None] & (hw < HW)[None, :]
+            # (widened as it is loaded: a loop-carried variable must keep its type, here float32)
+            x = tl.load(x_ptr + _tile_offsets(c, hw, C, HW, CHANNELS_LAST), mask=mask, other=0.0).to(tl.float32)
+            d = tl.where(mask, x - shift[:, None], 0.0)
+            sum_d += d
+            sum_d2 += d * d
+
+        mean_d = tl.sum(sum_d, axis=1) / HW
+        var = tl.maximum(tl.sum(sum_d2, axis=1) / HW - mean_d * mean_d, 0.0)
+        out = n * C + c  # (N, C) outputs are contiguous and small: int32 suffices (N*C < 2**31)
+        tl.store(mean_ptr + out, shift + mean_d, mask=c_mask)
+        tl.store(var_ptr + out, var, mask=c_mask)
+
+    @triton.jit
+    def _centered_dot_and_sum_kernel(
+        gy_ptr, x_ptr, center_ptr, dot_ptr, total_ptr, C, HW, c_blocks,
+        CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
+    ):
+        # Same program layout as _moments_kernel; grad_y and x share their layout, hence their offsets.
+        pid = tl.program_id(0)
+        n = pid // c_blocks
+        c = (pid % c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_mask = c < C
+        base = n.to(tl.int64) * C * HW
+        gy_ptr += base
+        x_ptr += base
+        center = tl.load(center_ptr + n * C + c, mask=c_mask, other=0.0)
+
+        dot = tl.zeros([BLOCK_C, BLOCK_HW], dtype=tl.float32)
+        total = tl.zeros([BLOCK_C, BLOCK_HW], dtype=tl.float32)
+        for start in range(0, HW, BLOCK_HW):
+            hw = start + tl.arange(0, BLOCK_HW)
+            mask = c_mask[:, None] & (hw < HW)[None, :]
+            offsets = _tile_offsets(c, hw, C, HW, CHANNELS_LAST)
+            gy = tl.load(gy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            # masked lanes have gy = 0, so they add nothing to either sum
+            dot += gy * (x - center[:, None])
+            total += gy
+
+        out = n * C + c
+        tl.store(dot_ptr + out, tl.sum(dot, axis=1), mask=c_mask)
+        tl.store(total_ptr + out, tl.sum(total, axis=1), mask=c_mask)
+
+    @triton.jit
+    def _tile_of_program(c_blocks, hw_blocks, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr):
+        # The (sample, channels, pixels) of this program's tile, for the elementwise kernels: a 1-D grid
+        # (no 65535 limit of grid axes 1 and 2) with the pixel blocks fastest.
+        pid = tl.program_id(0)
+        hw_block = pid % hw_blocks
+        rest = pid // hw_blocks
+        n = rest // c_blocks
+        c = (rest % c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+        hw = hw_block * BLOCK_HW + tl.arange(0, BLOCK_HW)
+        return n, c, hw
+
+    @triton.jit
+    def _scale_shift_kernel(
+        x_ptr, y_ptr, scale_ptr, shift_ptr, center_ptr, C, HW, c_blocks, hw_blocks,
+        HAS_CENTER: tl.constexpr, CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
+    ):
+        n, c, hw = _tile_of_program(c_blocks, hw_blocks, BLOCK_C, BLOCK_HW)
+        c_mask = c < C
+        mask = c_mask[:, None] & (hw < HW)[None, :]
+        base = n.to(tl.int64) * C * HW
+        offsets = _tile_offsets(c, hw, C, HW, CHANNELS_LAST)  # y has x's layout: the same offsets
+
+        scale = tl.load(scale_ptr + n * C + c, mask=c_mask, other=0.0)
+        shift = tl.load(shift_ptr + n * C + c, mask=c_mask, other=0.0)
+        x = tl.load(x_ptr + base + offsets, mask=mask, other=0.0).to(tl.float32)
+        if HAS_CENTER:
+            # centring first keeps the digits x * scale would round away when |mean| >> spread
+            x -= tl.load(center_ptr + n * C + c, mask=c_mask, other=0.0)[:, None]
+        y = x * scale[:, None] + shift[:, None]
+        tl.store(y_ptr + base + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _grad_input_kernel(
+        gy_ptr, x_ptr, gx_ptr, scale_ptr, p_ptr, q_ptr, center_ptr, C, HW, c_blocks, hw_blocks,
+        CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
+    ):
+        n, c, hw = _tile_of_program(c_blocks, hw_blocks, BLOCK_C, BLOCK_HW)
+        c_mask = c < C
+        mask = c_mask[:, None] & (hw < HW)[None, :]
+        base = n.to(tl.int64) * C * HW
+        offsets = base + _tile_offsets(c, hw, C, HW, CHANNELS_LAST)  # grad_y, x and grad_x share them
+
+        scale = tl.load(scale_ptr + n * C + c, mask=c_mask, other=0.0)[:, None]
+        p = tl.load(p_ptr + n * C + c, mask=c_mask, other=0.0)[:, None]
+        q = tl.load(q_ptr + n * C + c, mask=c_mask, other=0.0)[:, None]
+        center = tl.load(center_ptr + n * C + c, mask=c_mask, other=0.0)[:, None]
+        gy = tl.load(gy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        gx = gy * scale + (x - center) * p + q
+        tl.store(gx_ptr + offsets, gx.to(gx_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Wrappers: checks, tile shapes, one launch each
+# --------------------------------------------------------------------------------------------------
+
+
+def _next_pow2(value: int) -> int:
+    return 1 << max(value - 1, 0).bit_length()
+
+
+def _require_triton() -> None:
+    if triton is None:
+        raise RuntimeError("Triton is not installed: sn_detection.layers.triton_kernels is unavailable")
+
+
+def _layout(x: Tensor, name: str) -> bool:
+    """Checks a full-size input; returns whether it is channels_last (False: NCHW-contiguous)."""
+    if x.dim() != 4:
+        raise ValueError(f"{name}: expected an (N, C, H, W) tensor, got shape {list(x.shape)}")
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"{name}: dtype {x.dtype} is not supported (float32, float16 or bfloat16)")
+    if not (x.is_cuda or (_INTERPRET and x.device.type == "cpu")):
+        raise ValueError(
+            f"{name}: tensors on {x.device} cannot be run (CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
+            "set before importing sn_detection.layers.triton_kernels)"
+        )
+    n, c, h, w = x.shape
+    if c * h * w >= 2**31:
+        raise ValueError(f"{name}: one sample has {c * h * w} elements; the kernels index a sample in int32")
+    if x.is_contiguous():
+        return False
+    if x.is_contiguous(memory_format=torch.channels_last):
+        return True
+    raise ValueError(
+        f"{name}: strides {x.stride()} are neither NCHW-contiguous nor channels_last; "
+        "call .contiguous() (or .contiguous(memory_format=torch.channels_last)) first"
+    )
+
+
+def _check_same_layout(grad_y: Tensor, x: Tensor) -> bool:
+    channels_last = _layout(x, "x")
+    _layout(grad_y, "grad_y")
+    if grad_y.shape != x.shape or grad_y.device != x.device:
+        raise ValueError(f"grad_y {list(grad_y.shape)} on {grad_y.device} does not match x {list(x.shape)} on {x.device}")
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    if not grad_y.is_contiguous(memory_format=memory_format):
+        raise ValueError(
+            f"grad_y must have x's memory layout ({'channels_last' if channels_last else 'NCHW-contiguous'}); "
+            f"got strides {grad_y.stride()} for x's {x.stride()}"
+        )
+    return channels_last
+
+
+def _map_vector(v: Tensor, x: Tensor, name: str) -> Tensor:
+    """A per-map vector, checked to be float32 (N, C) on x's device, made contiguous (it is small)."""
+    if not isinstance(v, Tensor) or v.dtype != torch.float32 or tuple(v.shape) != tuple(x.shape[:2]):
+        got = f"{v.dtype} {list(v.shape)}" if isinstance(v, Tensor) else type(v).__name__
+        raise ValueError(f"{name}: expected a float32 tensor of shape {list(x.shape[:2])}, got {got}")
+    if v.device != x.device:
+        raise ValueError(f"{name} is on {v.device}, x on {x.device}")
+    return v.contiguous()
+
+
+def _tile_shape(c: int, hw: int, channels_last: bool) -> tuple[int, int]:
+    """(BLOCK_C, BLOCK_HW): the long side of the tile along memory's contiguous axis (module docstring)."""
+    if channels_last:
+        block_c = min(_next_pow2(c), _CHANNELS_LAST_BLOCK_C)
+        return block_c, min(_next_pow2(hw), _TILE // block_c)
+    block_hw = min(_next_pow2(hw), _TILE)
+    return min(_next_pow2(c), _TILE // block_hw), block_hw
+
+
+def _output_like(x: Tensor) -> Tensor:
+    # x's very strides (it is dense, in one of the two layouts): the kernels address output and input alike
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+
+
+def moments(x: Tensor) -> tuple[Tensor, Tensor]:
+    """IN mean and biased variance over H*W of each (n, c) map of x: two float32 (N, C) tensors, in one
+    read of x, by shifted sums (accurate whatever the mean-to-spread ratio: module docstring)."""
+    _require_triton()
+    channels_last = _layout(x, "x")
+    n, c, h, w = x.shape
+    hw = h * w
+    mean = torch.zeros((n, c), dtype=torch.float32, device=x.device)
+    var = torch.zeros((n, c), dtype=torch.float32, device=x.device)
+    if n * c == 0 or hw == 0:  # an empty map has mean 0 and variance 0, like passes.torch_moments
+        return mean, var
+    block_c, block_hw = _tile_shape(c, hw, channels_last)
+    c_blocks = triton.cdiv(c, block_c)
+    _moments_kernel[(n * c_blocks,)](
+        x, mean, var, c, hw, c_blocks,
+        CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw, num_warps=_NUM_WARPS,
+    )
+    return mean, var
+
+
+def scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor | None = None) -> Tensor:
+    """y = x * scale + shift, or (x - center) * scale + shift when ``center`` is given, with float32 (N, C)
+    per-map vectors; computed in float32, returned in x's dtype and memory layout."""
+    _require_triton()
+    channels_last = _layout(x, "x")
+    scale, shift = _map_vector(scale, x, "scale"), _map_vector(shift, x, "shift")
+    has_center = center is not None
+    center = _map_vector(center, x, "center") if has_center else scale  # a placeholder the kernel never reads
+    y = _output_like(x)
+    if x.numel() == 0:
+        return y
+    n, c, h, w = x.shape
+    block_c, block_hw = _tile_shape(c, h * w, channels_last)
+    c_blocks, hw_blocks = triton.cdiv(c, block_c), triton.cdiv(h * w, block_hw)
+    _scale_shift_kernel[(n * c_blocks * hw_blocks,)](
+        x, y, scale, shift, center, c, h * w, c_blocks, hw_blocks,
+        HAS_CENTER=has_center, CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw,
+        num_warps=_NUM_WARPS,
+    )
+    return y
+
+
+def centered_dot_and_sum(grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Tensor, Tensor]:
+    """dot = sum over H*W of grad_y * (x - center) and total = sum over H*W of grad_y, each float32 (N, C),
+    in one read of (grad_y, x)."""
+    _require_triton()
+    channels_last = _check_same_layout(grad_y, x)
+    center = _map_vector(center, x, "center")
+    n, c, h, w = x.shape
+    dot = torch.zeros((n, c), dtype=torch.float32, device=x.device)
+    total = torch.zeros((n, c), dtype=torch.float32, device=x.device)
+    if n * c == 0 or h * w == 0:
+        return dot, total
+    block_c, block_hw = _tile_shape(c, h * w, channels_last)
+    c_blocks = triton.cdiv(c, block_c)
+    _centered_dot_and_sum_kernel[(n * c_blocks,)](
+        grad_y, x, center, dot, total, c, h * w, c_blocks,
+        CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw, num_warps=_NUM_WARPS,
+    )
+    return dot, total
+
+
+def grad_input(grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor) -> Tensor:
+    """grad_x = grad_y * scale + (x - center) * p + q with float32 (N, C) per-map vectors; computed in
+    float32, returned in x's dtype and memory layout; one read of (grad_y, x), one write."""
+    _require_triton()
+    channels_last = _check_same_layout(grad_y, x)
+    scale, p, q = _map_vector(scale, x, "scale"), _map_vector(p, x, "p"), _map_vector(q, x, "q")
+    center = _map_vector(center, x, "center")
+    grad_x = _output_like(x)
+    if x.numel() == 0:
+        return grad_x
+    n, c, h, w = x.shape
+    block_c, block_hw = _tile_shape(c, h * w, channels_last)
+    c_blocks, hw_blocks = triton.cdiv(c, block_c), triton.cdiv(h * w, block_hw)
+    _grad_input_kernel[(n * c_blocks * hw_blocks,)](
+        grad_y, x, grad_x, scale, p, q, center, c, h * w, c_blocks, hw_blocks,
+        CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw, num_warps=_NUM_WARPS,
+    )
+    return grad_x

@@ -1,0 +1,106 @@
+"""The layers on the Triton path: every full-size pass of SN, SyncSN, DN, MN, MGN (and BNSR) goes through
+the kernels, and gives the values and gradients of the PyTorch fast path and of the plain-autograd
+reference, in fp32, fp16 and bf16, NCHW and channels_last.
+
+Runs where tests/kernels/test_triton_kernels.py runs (a CUDA GPU, or the CPU under Triton's interpreter in
+the kernel-test environment); skipped elsewhere.
+"""
+
+import copy
+import functools
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
+if INTERPRET and int(triton.__version__.split(".")[0]) < 3:
+    pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
+
+from sn_detection.layers import build_norm, passes  # noqa: E402  (after the skips: needs TRITON_INTERPRET)
+from sn_detection.layers.statistics import reference_normalize_by_moments  # noqa: E402
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+FAST_PATH_LAYERS = ["SN", "SyncSN", "DN", "MN", "MGN"]
+KERNELS = ("moments", "scale_shift", "centered_dot_and_sum", "grad_input")
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+
+
+def perturbed(name, dtype=torch.float32):
+    torch.manual_seed(0)
+    layer = build_norm(name, 16).to(DEVICE)
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    return layer.train()
+
+
+def run(layer, x, grad_y, forward=None):
+    x = x.clone().requires_grad_()
+    y = layer(x) if forward is None else forward(layer, x)
+    y.backward(grad_y)
+    grads = {"x": x.grad, **{name: p.grad for name, p in layer.named_parameters()}}
+    return y.detach(), grads, {name: b.clone() for name, b in layer.named_buffers()}
+
+
+def reference(layer, x):
+    affine = functools.partial(layer.scale_and_shift, spatial_size=x.shape[2] * x.shape[3])
+    return reference_normalize_by_moments(x, affine)
+
+
+def assert_same(actual, expected, tolerance):
+    torch.testing.assert_close(actual[0].float(), expected[0].float(), rtol=tolerance, atol=tolerance)
+    for key, grad in expected[1].items():
+        torch.testing.assert_close(actual[1][key].float(), grad.float(), rtol=tolerance, atol=tolerance, msg=key)
+    for key, buffer in expected[2].items():
+        torch.testing.assert_close(actual[2][key], buffer, rtol=tolerance, atol=tolerance, msg=key)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How often each kernel wrapper is called through ``passes``."""
+    counts = dict.fromkeys(KERNELS, 0)
+    for kernel in KERNELS:
+        original = getattr(passes.triton_kernels, kernel)
+
+        def counted(*args, kernel=kernel, original=original, **kwargs):
+            counts[kernel] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(passes.triton_kernels, kernel, counted)
+    return counts
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("name", FAST_PATH_LAYERS)
+def test_the_kernel_path_gives_the_fast_paths_and_the_references_values(name, layout, calls, monkeypatch):
+    generator = torch.Generator().manual_seed(1)
+    x = (torch.randn(3, 16, 5, 7, generator=generator) * 1.5 + 0.7).to(DEVICE).contiguous(memory_format=layout)
+    grad_y = torch.randn(x.shape, generator=generator).to(DEVICE).contiguous(memory_format=layout)
+    layer = perturbed(name)
+    on_kernels = run(copy.deepcopy(layer), x, grad_y)
+    assert all(calls[kernel] > 0 for kernel in KERNELS), calls
+
+    assert_same(on_kernels, run(copy.deepcopy(layer), x, grad_y, reference), TOLERANCE[torch.float32])
+    monkeypatch.setattr(passes, "_TRITON", False)  # the PyTorch fast path
+    before = dict(calls)
+    assert_same(on_kernels, run(copy.deepcopy(layer), x, grad_y), TOLERANCE[torch.float32])
+    assert calls == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", FAST_PATH_LAYERS + ["BNSR"])
+def test_half_precision_inputs_are_read_directly_and_match_the_fp32_computation(name, dtype, calls):
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 16, 4, 6, generator=generator).to(DEVICE)
+    grad_y = torch.randn(x.shape, generator=generator).to(DEVICE)
+    layer = perturbed(name)
+    half = run(copy.deepcopy(layer), x.to(dtype), grad_y.to(dtype))
+    full = run(copy.deepcopy(layer), x.to(dtype).float(), grad_y.to(dtype).float())
+    assert half[0].dtype == dtype and half[1]["x"].dtype == dtype
+    assert calls["moments"] > 0
+    assert_same(half, full, TOLERANCE[dtype])
