@@ -79,6 +79,26 @@ def add_sn_config(cfg: CN) -> None:
     cfg.TEST.NORM_ANALYSIS = CN()
     cfg.TEST.NORM_ANALYSIS.PERIOD = 0
 
+    # image-classification pretraining of the config's ResNet (tools/pretrain_backbone.py)
+    cfg.PRETRAIN = CN()
+    cfg.PRETRAIN.DATA = "embedded"  # the embedded classification set, or an ImageFolder with train/ and val/
+    cfg.PRETRAIN.IMAGE_SIZE = 224  # side of the network's input crops
+    cfg.PRETRAIN.CROP_AREA = (0.08, 1.0)  # random crops: fraction of the image's area
+    cfg.PRETRAIN.IMS_PER_BATCH = 256  # over all processes
+    cfg.PRETRAIN.MAX_ITER = 500500  # 100 epochs of ImageNet-1k at batch 256
+    cfg.PRETRAIN.BASE_LR = 0.1
+    cfg.PRETRAIN.WARMUP_ITERS = 5000
+    cfg.PRETRAIN.MOMENTUM = 0.9
+    cfg.PRETRAIN.WEIGHT_DECAY = 1e-4  # convolutions and the classifier; no decay on norms and gates
+    cfg.PRETRAIN.GATE_LR_FACTOR = 1.0
+    cfg.PRETRAIN.LABEL_SMOOTHING = 0.1
+    cfg.PRETRAIN.SYNC_NORMS = False  # SN -> SyncSN, BN -> SyncBN: batch statistics over all processes
+    cfg.PRETRAIN.AMP = False
+    cfg.PRETRAIN.NUM_WORKERS = 4
+    cfg.PRETRAIN.EVAL_PERIOD = 0  # top-1 on val every N iterations (0: at the end only)
+    cfg.PRETRAIN.CHECKPOINT_PERIOD = 5000
+    cfg.PRETRAIN.OUTPUT_DIR = "output/pretrain"
+
 
 def option_keys(name: str) -> dict[str, str]:
     """The config key of each option of our norm ``name``, e.g. {"num_groups": "MODEL.SN.GN_GROUPS", ...}."""

@@ -4,6 +4,9 @@ A split is written into a temporary sibling folder and renamed into place only o
 manifest of every file's size and SHA-256 written last. A folder whose manifest is missing, describes
 other generation arguments, or disagrees with the files (a killed run, a truncated or edited file) is
 removed and generated again (so is a file or link in its place).
+
+Every generated dataset lives under one data root, ``data_root()``: ``$SN_DETECTION_DATA``, by default
+``~/.cache/sn_detection/datasets``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,13 @@ import tempfile
 from typing import Callable
 
 MANIFEST = "manifest.json"
+
+DEFAULT_DATA_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "sn_detection", "datasets")
+
+
+def data_root() -> str:
+    """Where generated datasets are cached: ``$SN_DETECTION_DATA``, else ``DEFAULT_DATA_ROOT``."""
+    return os.environ.get("SN_DETECTION_DATA", DEFAULT_DATA_ROOT)
 
 
 def _digest(path: str) -> str:

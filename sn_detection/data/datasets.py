@@ -14,7 +14,7 @@ from functools import partial
 from detectron2.data import DatasetCatalog, MetadataCatalog
 from detectron2.data.datasets import load_coco_json
 
-from .cache import ensure_folder
+from .cache import DEFAULT_DATA_ROOT, data_root, ensure_folder
 from .shapes import CATEGORIES, write_split
 
 # Bump when the generator's output changes, so old caches are regenerated rather than reused.
@@ -31,13 +31,6 @@ SHAPES_SPLITS = {
     "sn_shapes_train": SplitSpec(seed=1, num_images=1000),
     "sn_shapes_val": SplitSpec(seed=2, num_images=100),
 }
-
-
-DEFAULT_DATA_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "sn_detection", "datasets")
-
-
-def data_root() -> str:
-    return os.environ.get("SN_DETECTION_DATA", DEFAULT_DATA_ROOT)
 
 
 def split_folder(name: str, root: str) -> str:

@@ -8,6 +8,10 @@ gradient), overlap and occlude one another, and may be cut by the image border. 
 Image i of a split is drawn from its own generator seeded by (split seed, i): the output does not depend
 on the order or number of images generated, and the same arguments always give identical files.
 Only numpy, Pillow and pycocotools are used, so this module runs without detectron2.
+
+The drawing primitives (``unit_outline``, ``rasterize``, ``texture_fill``, ``background``,
+``add_noise``, ``encode_jpeg``) are public: the classification set of ``classification`` draws its
+images with them, so that both datasets share one visual domain.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import pycocotools.mask as mask_util
 from PIL import Image, ImageDraw
 
 CATEGORIES = ("circle", "triangle", "rectangle", "star", "cross")
+TEXTURES = ("solid", "stripes", "checks", "speckle", "gradient")
+NOISE_STD = 6.0
 MIN_VISIBLE_PIXELS = 40
 MIN_VISIBLE_FRACTION = 0.4
 JPEG_QUALITY = 92
@@ -35,7 +41,7 @@ class Shape:
     texture: str
 
 
-def _unit_outline(name: str, rng: np.random.Generator) -> np.ndarray:
+def unit_outline(name: str, rng: np.random.Generator) -> np.ndarray:
     """Vertices of a shape of radius ~1 centred at 0, before rotation and scaling."""
     if name == "circle":
         angles = np.linspace(0, 2 * np.pi, 48, endpoint=False)
@@ -61,24 +67,25 @@ def _unit_outline(name: str, rng: np.random.Generator) -> np.ndarray:
 
 def _random_shape(rng: np.random.Generator, width: int, height: int) -> Shape:
     category = int(rng.integers(len(CATEGORIES)))
-    outline = _unit_outline(CATEGORIES[category], rng)
+    outline = unit_outline(CATEGORIES[category], rng)
     radius = rng.uniform(10, 0.4 * min(width, height))
     theta = rng.uniform(0, 2 * np.pi)
     rotation = np.array([[np.cos(theta), -np.sin(theta)], [np.sin(theta), np.cos(theta)]])
     centre = rng.uniform([0, 0], [width, height])
     vertices = outline @ rotation.T * radius + centre
     colour = rng.uniform(0, 255, 3)
-    texture = str(rng.choice(("solid", "stripes", "checks", "speckle", "gradient")))
+    texture = str(rng.choice(TEXTURES))
     return Shape(category + 1, vertices, colour, texture)
 
 
-def _rasterize(vertices: np.ndarray, width: int, height: int) -> np.ndarray:
+def rasterize(vertices: np.ndarray, width: int, height: int) -> np.ndarray:
+    """The (height, width) boolean mask of a polygon given by its (V, 2) vertices (x, y)."""
     canvas = Image.new("L", (width, height), 0)
     ImageDraw.Draw(canvas).polygon([tuple(v) for v in vertices], fill=1)
     return np.asarray(canvas, dtype=bool)
 
 
-def _texture(rng: np.random.Generator, kind: str, colour: np.ndarray, width: int, height: int) -> np.ndarray:
+def texture_fill(rng: np.random.Generator, kind: str, colour: np.ndarray, width: int, height: int) -> np.ndarray:
     """An (H, W, 3) float image of `colour` modulated by a pattern of the given kind."""
     ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
     if kind == "solid":
@@ -101,7 +108,7 @@ def _texture(rng: np.random.Generator, kind: str, colour: np.ndarray, width: int
     return pattern[..., None] * colour[None, None, :].astype(np.float32)
 
 
-def _background(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
+def background(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
     """A smooth colour field with a few unannotated clutter strokes, so the detector must look at shape."""
     corners = rng.uniform(40, 215, size=(2, 2, 3)).astype(np.float32)
     fy = np.linspace(0, 1, height, dtype=np.float32)[:, None, None]
@@ -130,7 +137,7 @@ def _place_shapes(rng: np.random.Generator, width: int, height: int) -> tuple[li
         if len(shapes) == wanted:
             break
         shape = _random_shape(rng, width, height)
-        mask = _rasterize(shape.vertices, width, height)
+        mask = rasterize(shape.vertices, width, height)
         if mask.sum() < MIN_VISIBLE_PIXELS / MIN_VISIBLE_FRACTION:
             continue
         if all(_is_visible(visible & ~mask, full) for visible, full in zip(_visible_masks(masks), masks)):
@@ -153,6 +160,19 @@ def _is_visible(visible: np.ndarray, full: np.ndarray) -> bool:
     return count >= MIN_VISIBLE_PIXELS and count >= MIN_VISIBLE_FRACTION * int(full.sum())
 
 
+def add_noise(rng: np.random.Generator, image: np.ndarray) -> np.ndarray:
+    """The float image with Gaussian pixel noise (std NOISE_STD) added in place."""
+    image += rng.normal(0, NOISE_STD, size=image.shape)
+    return image
+
+
+def encode_jpeg(image: np.ndarray) -> bytes:
+    """An (H, W, 3) float RGB image, clipped to [0, 255], as JPEG bytes (quality JPEG_QUALITY)."""
+    buffer = io.BytesIO()
+    Image.fromarray(image.clip(0, 255).astype(np.uint8)).save(buffer, format="JPEG", quality=JPEG_QUALITY)
+    return buffer.getvalue()
+
+
 def _encode_rle(mask: np.ndarray) -> dict:
     rle = mask_util.encode(np.asfortranarray(mask.astype(np.uint8)))
     return {"size": [int(s) for s in rle["size"]], "counts": rle["counts"].decode("ascii")}
@@ -162,13 +182,11 @@ def render_image(seed: int, index: int) -> tuple[bytes, int, int, list[dict]]:
     """One JPEG image and its annotations (without ids): (jpeg_bytes, width, height, annotations)."""
     rng = np.random.default_rng([seed, index])
     width, height = (int(v) for v in rng.integers(128, 321, size=2))
-    image = _background(rng, width, height)
+    image = background(rng, width, height)
     shapes, masks = _place_shapes(rng, width, height)
     for shape, mask in zip(shapes, masks):
-        image[mask] = _texture(rng, shape.texture, shape.colour, width, height)[mask]
-    image += rng.normal(0, 6, size=image.shape)
-    buffer = io.BytesIO()
-    Image.fromarray(image.clip(0, 255).astype(np.uint8)).save(buffer, format="JPEG", quality=JPEG_QUALITY)
+        image[mask] = texture_fill(rng, shape.texture, shape.colour, width, height)[mask]
+    jpeg = encode_jpeg(add_noise(rng, image))
 
     annotations = []
     for shape, visible in zip(shapes, _visible_masks(masks)):
@@ -183,7 +201,7 @@ def render_image(seed: int, index: int) -> tuple[bytes, int, int, list[dict]]:
                 "iscrowd": 0,
             }
         )
-    return buffer.getvalue(), width, height, annotations
+    return jpeg, width, height, annotations
 
 
 def write_split(out_dir: str, seed: int, num_images: int) -> str:

@@ -1,0 +1,49 @@
+"""tools/pretrain_backbone.py: pretrain the ResNet of a detection config on image classification
+(``sn_detection.pretraining``), in K processes, or make (once) and print the cached backbone of a config.
+
+    tools/pretrain_backbone.py --config-file CFG [--num-gpus K] [--num-machines M ...] [--resume] [KEY VALUE ...]
+    tools/pretrain_backbone.py --config-file CFG --cached [KEY VALUE ...]    # prints the backbone's path
+
+The config says which ResNet (MODEL.RESNETS, our norms' MODEL.SN), the input convention (PIXEL_MEAN,
+PIXEL_STD, INPUT.FORMAT, STRIDE_IN_1X1) and the pretraining (PRETRAIN.*: data, size, batch, schedule).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from detectron2.engine import default_argument_parser, default_setup, launch
+from detectron2.utils import comm
+from detectron2.utils.logger import setup_logger
+
+from ..pretraining import cached_backbone, pretrain
+from .launch import load_cfg
+
+
+def pretrain_in_process(args) -> dict:
+    cfg = load_cfg(args.config_file, args.opts)
+    cfg.defrost()
+    cfg.OUTPUT_DIR = cfg.PRETRAIN.OUTPUT_DIR  # where default_setup writes the config and the log
+    cfg.freeze()
+    default_setup(cfg, args)
+    setup_logger(output=cfg.OUTPUT_DIR, distributed_rank=comm.get_rank(), name="sn_detection")
+    return pretrain(cfg, resume=args.resume)
+
+
+def main(argv: Optional[Sequence[str]] = None):
+    parser = default_argument_parser()
+    parser.add_argument(
+        "--cached", action="store_true",
+        help="make the config's backbone once, in one process, in the cache; print its path (stdout)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.cached:
+        setup_logger(name="detectron2")
+        setup_logger(name="sn_detection")
+        path = cached_backbone(load_cfg(args.config_file, args.opts))
+        print(path)
+        return path
+    return launch(
+        pretrain_in_process, args.num_gpus, num_machines=args.num_machines, machine_rank=args.machine_rank,
+        dist_url=args.dist_url, args=(args,),
+    )  # fmt: skip

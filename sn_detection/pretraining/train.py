@@ -1,0 +1,241 @@
+"""Image-classification pretraining of a detection config's ResNet (``tools/pretrain_backbone.py``), with
+detectron2's engine: its ``SimpleTrainer`` / ``AMPTrainer``, hooks (ETA and losses printed every 20
+iterations, metrics.json, periodic checkpoints, evaluation) and ``launch`` (K processes, NCCL on GPUs and
+gloo on the CPU; several machines).
+
+The schedule is the usual one for ImageNet: SGD with Nesterov momentum, a linear warm-up from 0.1 % of
+PRETRAIN.BASE_LR over PRETRAIN.WARMUP_ITERS, then a cosine to 0 at PRETRAIN.MAX_ITER; weight decay on
+the convolutions and the classifier's weight only (none on norms and biases; the gates of our norms have
+their own learning-rate factor, ``sn_detection.d2.optimizer``). PRETRAIN.IMS_PER_BATCH is the batch over
+all processes: large batches are the point of pretraining (BN, and SN's BN branch, see them), so each
+process holds IMS_PER_BATCH / K images and PRETRAIN.SYNC_NORMS pools SN's and BN's statistics over all.
+
+Outputs in PRETRAIN.OUTPUT_DIR: ``backbone.pth`` (the backbone checkpoint, ``model``), ``results.json``
+(top-1 on the val split, the input convention, what was trained and how long), ``metrics.json``,
+``log.txt`` and the training checkpoints ``model_*.pth`` that ``--resume`` continues from: the weights,
+optimizer, schedule and iteration, and the data stream restarts at the next unread sample with the same
+crops and flips (``data``), so a resumed run trains as an uninterrupted one.
+
+``cached_backbone(cfg)`` pretrains once into a cache folder keyed by everything that determines the
+backbone (the ResNet and norm settings, the input convention, PRETRAIN, SEED), verified by its manifest
+on every use like the datasets (``sn_detection.data.cache``): the demo's backbone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+
+import torch
+from detectron2.checkpoint import DetectionCheckpointer
+from detectron2.config import CfgNode
+from detectron2.data.samplers import TrainingSampler
+from detectron2.engine import AMPTrainer, SimpleTrainer, create_ddp_model, hooks
+from detectron2.solver import LRMultiplier, WarmupParamScheduler
+from detectron2.utils import comm
+from detectron2.utils.env import seed_all_rng
+from detectron2.utils.events import CommonMetricPrinter, JSONWriter, get_event_storage
+from fvcore.common.param_scheduler import CosineParamScheduler
+from torch.utils.data import DataLoader
+
+from ..conversion import InputConvention
+from ..conversion.files import write_checkpoint
+from ..d2.optimizer import get_optimizer_params
+from ..data.cache import data_root, ensure_folder
+from .data import ClassificationImages, SeededStream, collate, data_folder, shard
+from .model import BackboneClassifier, backbone_state, input_convention
+
+logger = logging.getLogger(__name__)
+
+BACKBONE_FILE = "backbone.pth"
+RESULTS_FILE = "results.json"
+LOG_PERIOD = 20
+WARMUP_FACTOR = 0.001
+# Bump when pretraining changes what it produces, so that cached backbones are made again.
+RECIPE_VERSION = 1
+
+
+def per_process_batch(cfg: CfgNode) -> int:
+    world_size = comm.get_world_size()
+    if cfg.PRETRAIN.IMS_PER_BATCH % world_size:
+        raise ValueError(f"PRETRAIN.IMS_PER_BATCH={cfg.PRETRAIN.IMS_PER_BATCH} is not divisible by the {world_size} processes")
+    return cfg.PRETRAIN.IMS_PER_BATCH // world_size
+
+
+def build_optimizer(cfg: CfgNode, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = get_optimizer_params(
+        model,
+        base_lr=cfg.PRETRAIN.BASE_LR,
+        weight_decay_norm=0.0,
+        weight_decay_bias=0.0,
+        gate_lr_factor=cfg.PRETRAIN.GATE_LR_FACTOR,
+        gate_weight_decay=0.0,
+    )
+    return torch.optim.SGD(
+        params, lr=cfg.PRETRAIN.BASE_LR, momentum=cfg.PRETRAIN.MOMENTUM, nesterov=True,
+        weight_decay=cfg.PRETRAIN.WEIGHT_DECAY,
+    )  # fmt: skip
+
+
+def build_schedule(cfg: CfgNode, optimizer) -> LRMultiplier:
+    max_iter = cfg.PRETRAIN.MAX_ITER
+    multiplier = WarmupParamScheduler(
+        CosineParamScheduler(1.0, 0.0), WARMUP_FACTOR, min(cfg.PRETRAIN.WARMUP_ITERS / max_iter, 1.0), "linear"
+    )
+    return LRMultiplier(optimizer, multiplier, max_iter)
+
+
+def train_loader(cfg: CfgNode, images: ClassificationImages, start_iter: int) -> DataLoader:
+    """This process's batches, from iteration ``start_iter`` on (``data``: resumed exactly)."""
+    batch = per_process_batch(cfg)
+    seed = cfg.SEED if cfg.SEED >= 0 else 0
+    sampler = TrainingSampler(len(images), shuffle=True, seed=seed)
+    stream = SeededStream(sampler, seed, comm.get_rank(), comm.get_world_size(), start=start_iter * batch)
+    return DataLoader(
+        images, batch_size=batch, sampler=stream, num_workers=cfg.PRETRAIN.NUM_WORKERS, collate_fn=collate,
+        persistent_workers=cfg.PRETRAIN.NUM_WORKERS > 0,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def top1(cfg: CfgNode, model: torch.nn.Module, images: ClassificationImages) -> float:
+    """Top-1 accuracy (%) on ``images``, each process classifying its shard."""
+    module = model.module if hasattr(model, "module") else model
+    training = module.training
+    module.eval()
+    indices = shard(len(images), comm.get_rank(), comm.get_world_size())
+    loader = DataLoader(
+        torch.utils.data.Subset(images, indices), batch_size=per_process_batch(cfg),
+        num_workers=cfg.PRETRAIN.NUM_WORKERS, collate_fn=collate,
+    )  # fmt: skip
+    correct = 0
+    for pixels, labels in loader:
+        correct += int((module.logits(pixels.to(module.pixel_mean.device)).argmax(1).cpu() == labels).sum())
+    module.train(training)
+    counts = comm.all_gather((correct, len(indices)))
+    return 100.0 * sum(c for c, _ in counts) / max(sum(n for _, n in counts), 1)
+
+
+class Evaluation(hooks.EvalHook):
+    """Top-1 on the val split every PRETRAIN.EVAL_PERIOD iterations and after the last one, into the
+    event storage (metrics.json) and the log."""
+
+    def __init__(self, cfg, model, images):
+        super().__init__(cfg.PRETRAIN.EVAL_PERIOD, lambda: self._evaluate(cfg, model, images))
+        self.latest = None
+
+    def _evaluate(self, cfg, model, images):
+        self.latest = top1(cfg, model, images)
+        logger.info("Top-1 on the val split (%d images): %.2f %%", len(images), self.latest)
+        get_event_storage().put_scalar("val_top1", self.latest, smoothing_hint=False)
+        return {}
+
+
+def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) -> dict:
+    """Pretrain the ResNet of ``cfg`` in this process (of ``comm.get_world_size()``); writes the outputs
+    (module docstring) into ``output_dir`` (default PRETRAIN.OUTPUT_DIR) and returns the results."""
+    output_dir = output_dir or cfg.PRETRAIN.OUTPUT_DIR
+    os.makedirs(output_dir, exist_ok=True)
+    folder = data_folder(cfg.PRETRAIN.DATA)
+    size, area, image_format = cfg.PRETRAIN.IMAGE_SIZE, cfg.PRETRAIN.CROP_AREA, cfg.INPUT.FORMAT
+    train_images = ClassificationImages(folder, "train", size, area, image_format)
+    val_images = ClassificationImages(folder, "val", size, area, image_format)
+    if val_images.classes != train_images.classes:
+        raise ValueError(f"{folder}: the val split's classes differ from the train split's")
+
+    # as detectron2's default_setup seeds: a fixed SEED gives the same initial network (DDP broadcasts rank 0's)
+    seed_all_rng(None if cfg.SEED < 0 else cfg.SEED + comm.get_rank())
+    model = BackboneClassifier(cfg, len(train_images.classes)).to(cfg.MODEL.DEVICE)
+    optimizer = build_optimizer(cfg, model)
+    on_cpu = torch.device(cfg.MODEL.DEVICE).type == "cpu"
+    ddp = create_ddp_model(model, broadcast_buffers=False, **({"device_ids": None} if on_cpu else {}))
+    trainer = (AMPTrainer if cfg.PRETRAIN.AMP else SimpleTrainer)(ddp, None, optimizer)
+    checkpointer = DetectionCheckpointer(ddp, output_dir, trainer=trainer)
+    schedule = build_schedule(cfg, optimizer)
+    evaluation = Evaluation(cfg, ddp, val_images)
+    main_process = comm.is_main_process()
+    trainer.register_hooks([
+        hooks.IterationTimer(),
+        hooks.LRScheduler(optimizer, schedule),
+        hooks.PeriodicCheckpointer(checkpointer, cfg.PRETRAIN.CHECKPOINT_PERIOD) if main_process else None,
+        evaluation,
+        hooks.PeriodicWriter(
+            [CommonMetricPrinter(cfg.PRETRAIN.MAX_ITER), JSONWriter(os.path.join(output_dir, "metrics.json"))],
+            period=LOG_PERIOD,
+        ) if main_process else None,
+    ])  # fmt: skip
+    start_iter = 0
+    if resume and checkpointer.has_checkpoint():
+        checkpointer.resume_or_load("", resume=True)
+        start_iter = trainer.iter + 1
+    trainer.data_loader = train_loader(cfg, train_images, start_iter)
+    logger.info(
+        "Pretraining %s-%d with %s norms on %d images of %d classes (%s), %d px, %d per batch, iterations %d-%d",
+        "ResNet", cfg.MODEL.RESNETS.DEPTH, cfg.MODEL.RESNETS.NORM, len(train_images), len(train_images.classes),
+        folder, size, cfg.PRETRAIN.IMS_PER_BATCH, start_iter, cfg.PRETRAIN.MAX_ITER,
+    )  # fmt: skip
+    start = time.perf_counter()
+    trainer.train(start_iter, cfg.PRETRAIN.MAX_ITER)
+    results = {
+        "val_top1": evaluation.latest,
+        "classes": len(train_images.classes),
+        "data": folder,
+        "depth": cfg.MODEL.RESNETS.DEPTH,
+        "norm": cfg.MODEL.RESNETS.NORM,
+        "iterations": cfg.PRETRAIN.MAX_ITER,
+        "ims_per_batch": cfg.PRETRAIN.IMS_PER_BATCH,
+        "processes": comm.get_world_size(),
+        "train_seconds": round(time.perf_counter() - start, 1),
+        "input_convention": input_convention(cfg)._asdict(),
+    }
+    if main_process:
+        write_checkpoint(backbone_state(model), os.path.join(output_dir, BACKBONE_FILE), author="sn_detection pretraining")
+        with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
+            json.dump(results, f, indent=2)
+        report(results, os.path.join(output_dir, BACKBONE_FILE))
+    return results
+
+
+def report(results: dict, path: str) -> None:
+    """What was pretrained, its top-1, and the input convention a detection config must use."""
+    overrides = InputConvention(**results["input_convention"]).config_overrides()
+    logger.info(
+        "Pretrained ResNet-%d (%s): top-1 %.2f %% on the val split; backbone in %s. A detection config loads it "
+        "with MODEL.WEIGHTS %s and this input convention: %s",
+        results["depth"], results["norm"], results["val_top1"], path, path, " ".join(map(str, overrides)),
+    )  # fmt: skip
+
+
+def cache_key(cfg: CfgNode) -> dict:
+    """Everything that determines the pretrained backbone (module docstring)."""
+    pretrain = {k: v for k, v in cfg.PRETRAIN.items() if k not in ("OUTPUT_DIR", "NUM_WORKERS", "EVAL_PERIOD", "CHECKPOINT_PERIOD")}
+    return {
+        "recipe": RECIPE_VERSION,
+        "resnets": dict(cfg.MODEL.RESNETS),
+        "sn": dict(cfg.MODEL.SN),
+        "input": input_convention(cfg)._asdict(),
+        "pretrain": pretrain,
+        "seed": cfg.SEED,
+    }
+
+
+def cached_backbone(cfg: CfgNode) -> str:
+    """The backbone checkpoint of ``cfg``'s pretraining, made on first use in this process (progress in
+    the log) and reused, verified, afterwards; a half-made one is never reused."""
+    key = json.loads(json.dumps(cache_key(cfg), default=list))
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    name = f"resnet{cfg.MODEL.RESNETS.DEPTH}-{cfg.MODEL.RESNETS.NORM}-{digest}"
+    folder = os.path.join(data_root(), "pretrained", name)
+
+    def make(target: str) -> None:
+        work = os.path.join(target, "training")
+        pretrain(cfg, output_dir=work)
+        for kept in (BACKBONE_FILE, RESULTS_FILE, "metrics.json"):
+            shutil.move(os.path.join(work, kept), os.path.join(target, kept))
+        shutil.rmtree(work)
+
+    return os.path.join(ensure_folder(folder, key, make), BACKBONE_FILE)

@@ -1,0 +1,141 @@
+"""Pretraining the ResNet of a detection config: the backbone it leaves loads into that config with no
+missing or unexpected backbone key and computes the classifier trunk's features; a resumed run equals an
+uninterrupted one; two processes with SyncSN equal one with the concatenated batch; any ImageFolder is
+read; the demo's cached backbone is made once and reused."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from detectron2.checkpoint import DetectionCheckpointer
+from detectron2.modeling import build_model
+from PIL import Image
+from tiny import REPO, tiny_cfg, tiny_pretraining
+
+from sn_detection.pretraining import BackboneClassifier, cached_backbone, pretrain
+from sn_detection.pretraining import train as pretraining_train
+from sn_detection.pretraining.train import BACKBONE_FILE, RESULTS_FILE
+
+
+def backbone_tensors(path):
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+class RecordingCheckpointer(DetectionCheckpointer):
+    def _load_model(self, checkpoint):
+        self.incompatible = super()._load_model(checkpoint)
+        return self.incompatible
+
+
+def test_the_backbone_loads_into_the_detector_and_computes_the_trunks_features(tiny_classification_set, tmp_path):
+    cfg = tiny_cfg(tiny_classification_set, tmp_path / "pretrain")
+    torch.manual_seed(0)
+    results = pretrain(cfg)
+    path = tmp_path / "pretrain" / BACKBONE_FILE
+    with open(tmp_path / "pretrain" / RESULTS_FILE) as f:
+        assert json.load(f) == json.loads(json.dumps(results))
+    assert results["classes"] == 24 and 0 <= results["val_top1"] <= 100
+    assert results["input_convention"]["input_format"] == cfg.INPUT.FORMAT
+
+    detector = build_model(cfg)
+    checkpointer = RecordingCheckpointer(detector)
+    checkpointer.load(str(path))
+    missing, unexpected = checkpointer.incompatible.missing_keys, checkpointer.incompatible.unexpected_keys
+    assert not [key for key in missing if key.startswith("backbone.bottom_up.")], missing
+    assert not unexpected and not checkpointer.incompatible.incorrect_shapes
+
+    trunk = BackboneClassifier(cfg, 24)
+    trunk.backbone.load_state_dict(backbone_tensors(path), strict=False)  # BN's counters are not written
+    x = torch.randn(2, 3, 32, 32)
+    expected = trunk.eval().backbone(x)["res5"]
+    torch.testing.assert_close(detector.eval().backbone.bottom_up(x)["res5"], expected, rtol=0, atol=0)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_resumed_pretraining_equals_an_uninterrupted_one(tiny_classification_set, tmp_path, monkeypatch):
+    whole = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "whole"))
+
+    class InterruptedTrainer(pretraining_train.SimpleTrainer):
+        def run_step(self):
+            if self.iter == 3:  # after the checkpoint of iteration 1 (period 2) and iteration 2's step
+                raise Interrupted
+            super().run_step()
+
+    cfg = tiny_cfg(tiny_classification_set, tmp_path / "resumed")
+    with monkeypatch.context() as patch:
+        patch.setattr(pretraining_train, "SimpleTrainer", InterruptedTrainer)
+        with pytest.raises(Interrupted):
+            pretrain(cfg)
+    resumed = pretrain(cfg, resume=True)
+
+    assert resumed["val_top1"] == whole["val_top1"]
+    first, second = backbone_tensors(tmp_path / "whole" / BACKBONE_FILE), backbone_tensors(tmp_path / "resumed" / BACKBONE_FILE)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(torch.as_tensor(first[key]), torch.as_tensor(second[key])) for key in first)
+
+
+def run_tool(*args):
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "pretrain_backbone.py"), "--config-file",
+         os.path.join(REPO, "configs", "demo_compare_norms.yaml"), *args],
+        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result.stdout + result.stderr
+
+
+def test_two_processes_with_sync_sn_equal_one_process_on_the_concatenated_batch(tiny_classification_set, tmp_path):
+    """Each process reads its half of every batch, with the crops and flips of one process; SyncSN pools
+    the BN branch over both, and DDP averages the gradients. Three steps at a moderate learning rate:
+    beyond that the rounding of different reduction orders grows with training, as between thread counts."""
+    schedule = ["PRETRAIN.MAX_ITER", "3", "PRETRAIN.BASE_LR", "0.02", "PRETRAIN.CHECKPOINT_PERIOD", "100"]
+    run_tool(*tiny_pretraining(tiny_classification_set, tmp_path / "one", *schedule))
+    output = run_tool("--num-gpus", "2", "--dist-url", "auto",
+                      *tiny_pretraining(tiny_classification_set, tmp_path / "two", "PRETRAIN.SYNC_NORMS", "True", *schedule))
+    assert "World size: 2" in output
+    one, two = backbone_tensors(tmp_path / "one" / BACKBONE_FILE), backbone_tensors(tmp_path / "two" / BACKBONE_FILE)
+    assert one.keys() == two.keys()
+    for key in one:
+        torch.testing.assert_close(torch.as_tensor(two[key]), torch.as_tensor(one[key]), rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_any_image_folder_is_read(tmp_path):
+    """Images of any size and format in train/<class>/ and val/<class>/, like ImageNet's."""
+    generator = torch.Generator().manual_seed(0)
+    for split, count in (("train", 3), ("val", 1)):
+        for label, name in enumerate(("n01440764", "n01443537")):
+            folder = tmp_path / "images" / split / name
+            folder.mkdir(parents=True)
+            for i in range(count):
+                size = (40 + 7 * i, 30 + 5 * label)
+                pixels = (torch.rand(size[1], size[0], 3, generator=generator) * 255).byte().numpy()
+                Image.fromarray(pixels).save(folder / f"{i}.{'png' if i % 2 else 'JPEG'}")
+    results = pretrain(tiny_cfg(tmp_path / "images", tmp_path / "out", "PRETRAIN.MAX_ITER", "2"))
+    assert results["classes"] == 2 and results["val_top1"] in (0.0, 50.0, 100.0)
+
+
+def test_a_folder_without_splits_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="PRETRAIN.DATA=.* is not a folder; PRETRAIN.DATA is 'embedded' or"):
+        pretrain(tiny_cfg(tmp_path, tmp_path / "out"))
+
+
+def test_the_cached_backbone_is_made_once(tiny_classification_set, tmp_path, monkeypatch):
+    monkeypatch.setenv("SN_DETECTION_DATA", str(tmp_path / "cache"))
+    calls = []
+    original = pretraining_train.pretrain
+    monkeypatch.setattr(pretraining_train, "pretrain", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    cfg = tiny_cfg(tiny_classification_set, tmp_path / "unused", "PRETRAIN.MAX_ITER", "2")
+    path = cached_backbone(cfg)
+    assert len(calls) == 1 and os.path.isfile(path)
+    assert sorted(os.listdir(os.path.dirname(path))) == [BACKBONE_FILE, "manifest.json", "metrics.json", RESULTS_FILE]
+    assert cached_backbone(cfg) == path and len(calls) == 1  # reused, verified by its manifest
+    with open(path, "ab") as f:
+        f.write(b"damage")
+    assert cached_backbone(cfg) == path and len(calls) == 2  # damaged: made again
+    backbone_tensors(path)
