@@ -92,6 +92,9 @@ def add_sn_config(cfg: CN) -> None:
     cfg.PRETRAIN.WEIGHT_DECAY = 1e-4  # convolutions and the classifier; no decay on norms and gates
     cfg.PRETRAIN.GATE_LR_FACTOR = 1.0
     cfg.PRETRAIN.LABEL_SMOOTHING = 0.1
+    # after the last iteration, the batch-dependent statistics (BN, SN's BN branch, DN) become those of
+    # this many training batches (the SN paper's batch average; 0: keep the moving averages)
+    cfg.PRETRAIN.BATCH_AVERAGE_BATCHES = 50
     cfg.PRETRAIN.SYNC_NORMS = False  # SN -> SyncSN, BN -> SyncBN: batch statistics over all processes
     cfg.PRETRAIN.AMP = False
     cfg.PRETRAIN.NUM_WORKERS = 4

@@ -47,6 +47,7 @@ from ..d2 import norm_layer, valid_norm_names
 from ..evidence import plots, report
 from ..evidence.runs import METRICS_FILE, RunResult, is_finished, loss_curve, read_record, read_result, write_record
 from ..layers import has_batch_statistics
+from ..pretraining import cached_backbone
 from .launch import load_cfg
 
 logger = logging.getLogger(__name__)
@@ -56,8 +57,15 @@ TRAIN_NET = ("-m", "sn_detection.engine.train_net")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_CONFIG = os.path.join(model_zoo.CONFIG_DIR, "demo_compare_norms.yaml")
 DEFAULT_SETTINGS = ("BN", "GN", "SN", "DN", "MGN", "SN/GN", "GN/SN")
+# --finetune: the SN paper's Tables 4-5 (BN† is FrozenBN, – no norm) and DN, MGN, each backbone finetuned
+# from one pretrained with its own norm (FrozenBN: from BN)
+FINETUNE_SETTINGS = ("FrozenBN/-", "FrozenBN/GN", "FrozenBN/SN", "GN", "GN/SN", "SN", "DN", "MGN")
+DEFAULT_FINETUNE_CONFIG = os.path.join(model_zoo.CONFIG_DIR, "demo_finetune_norms.yaml")
+PRETRAINING_NORM = {"FrozenBN": "BN"}
+NO_NORM = "-"
 DEFAULT_SEEDS = (1, 2, 3)
 DEFAULT_OUTPUT_DIR = os.path.join("output", "compare_norms")
+DEFAULT_FINETUNE_OUTPUT_DIR = os.path.join("output", "compare_norms_finetune")
 HEAD_NORM_KEYS = ("MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
 TRAIN_LOG = "train_net.log"
 # what the sweep writes into its output folder
@@ -66,7 +74,7 @@ TABLE_FILE, CSV_FILE, AP_PLOT_FILE, CURVES_FILE = "results.md", "results.csv", "
 
 @dataclass(frozen=True)
 class Setting:
-    """The norm of the backbone and the norm of the FPN and both RoI heads."""
+    """The norm of the backbone and the norm of the FPN and both RoI heads (``-``: none)."""
 
     backbone: str
     head: str
@@ -80,16 +88,20 @@ class Setting:
         return self.name.replace("/", "-")
 
     def norm_overrides(self) -> list[str]:
-        overrides = ["MODEL.RESNETS.NORM", self.backbone]
+        overrides = ["MODEL.RESNETS.NORM", _config_value(self.backbone)]
         for key in HEAD_NORM_KEYS:
-            overrides += [key, self.head]
+            overrides += [key, _config_value(self.head)]
         return overrides
 
 
+def _config_value(norm: str) -> str:
+    return "" if norm == NO_NORM else norm
+
+
 def parse_setting(text: str) -> Setting:
-    """``NORM`` (everywhere) or ``BACKBONE/HEAD``, with names of ``valid_norm_names()``."""
+    """``NORM`` (everywhere) or ``BACKBONE/HEAD``, with names of ``valid_norm_names()`` or ``-`` (none)."""
     parts = text.split("/")
-    valid = valid_norm_names()
+    valid = (*valid_norm_names(), NO_NORM)
     if len(parts) > 2 or any(part not in valid for part in parts):
         raise ValueError(f"setting {text!r}: expected NORM or BACKBONE/HEAD with norms from {list(valid)}")
     return Setting(parts[0], parts[-1])
@@ -138,7 +150,21 @@ def scaled_schedule(cfg, iterations: int) -> list[str]:
 
 def has_batch_statistics_norm(cfg, norm: str) -> bool:
     """Whether a ``norm`` layer built with cfg's options has batch-dependent test statistics."""
-    return has_batch_statistics(norm_layer(cfg, norm, 64))
+    layer = norm_layer(cfg, _config_value(norm), 64)
+    return layer is not None and has_batch_statistics(layer)
+
+
+def pretrained_backbones(cfg, settings: Sequence[Setting]) -> dict[str, str]:
+    """Backbone norm -> the backbone pretrained with its norm (FrozenBN: with BN) by cfg's PRETRAIN
+    settings, made on first use and cached (``sn_detection.pretraining.cached_backbone``)."""
+    backbones = {}
+    for norm in dict.fromkeys(setting.backbone for setting in settings):
+        pretraining = cfg.clone()
+        pretraining.defrost()
+        pretraining.MODEL.RESNETS.NORM = PRETRAINING_NORM.get(norm, norm)
+        logger.info("Backbone for %s: pretrained with %s (made once, then cached)", norm, pretraining.MODEL.RESNETS.NORM)
+        backbones[norm] = cached_backbone(pretraining)
+    return backbones
 
 
 def plan_runs(
@@ -150,9 +176,11 @@ def plan_runs(
     iterations: Optional[int] = None,
     batch_average_batches: Optional[int] = None,
     opts: Sequence[str] = (),
+    backbones: Optional[dict[str, str]] = None,
 ) -> list[RunSpec]:
     """The runs of the sweep, seeds outermost. ``cfg`` is ``config_file`` with ``opts`` (KEY VALUE), which
-    apply to every run; the sweep's own keys (norms, batch average, seed, schedule) come after them and win."""
+    apply to every run; the sweep's own keys (norms, batch average, seed, schedule, and the initial weights
+    ``backbones[backbone norm]`` when finetuning) come after them and win."""
     if len(set(settings)) != len(settings) or len(set(seeds)) != len(seeds):
         raise ValueError(f"settings and seeds must not repeat: {[s.name for s in settings]}, {list(seeds)}")
     if any(seed < 0 for seed in seeds):
@@ -172,7 +200,8 @@ def plan_runs(
             if batch_average:
                 average += ["TEST.BATCH_AVERAGE.NUM_BATCHES", str(batch_average)]
             folder = os.path.abspath(os.path.join(output_dir, setting.folder_name, f"seed{seed}"))
-            overrides = [*opts, *setting.norm_overrides(), *average, "SEED", str(seed), *schedule]
+            weights = ["MODEL.WEIGHTS", backbones[setting.backbone]] if backbones else []
+            overrides = [*opts, *setting.norm_overrides(), *weights, *average, "SEED", str(seed), *schedule]
             runs.append(
                 RunSpec(
                     setting=setting,
@@ -267,6 +296,13 @@ def describe(cfg, config_file: str, runs: Sequence[RunSpec]) -> str:
     seeds = sorted({run.seed for run in runs})
     iterations = sorted({run.iterations for run in runs})
     init = "from scratch" if not cfg.MODEL.WEIGHTS else f"from `{cfg.MODEL.WEIGHTS}`"
+    if any("MODEL.WEIGHTS" in run.train_args for run in runs):
+        init = (
+            f"finetuned (stages up to res{cfg.MODEL.BACKBONE.FREEZE_AT} frozen) from a ResNet-{cfg.MODEL.RESNETS.DEPTH} "
+            f"pretrained with the backbone's norm (FrozenBN: BN) on classification (`{cfg.PRETRAIN.DATA}`, "
+            f"{cfg.PRETRAIN.MAX_ITER} iterations at batch {cfg.PRETRAIN.IMS_PER_BATCH}, {cfg.PRETRAIN.IMAGE_SIZE} px; "
+            "`tools/pretrain_backbone.py`)"
+        )
     return (
         "### Norm settings compared on this machine (`tools/compare_norms.py`, measured here)\n\n"
         f"Mask R-CNN R{cfg.MODEL.RESNETS.DEPTH}-FPN (`{config}`: {cfg.INPUT.MIN_SIZE_TEST} px inputs, FPN and "
@@ -274,7 +310,8 @@ def describe(cfg, config_file: str, runs: Sequence[RunSpec]) -> str:
         f"{cfg.SOLVER.IMS_PER_BATCH} images per batch for {', '.join(map(str, iterations))} iterations "
         f"(LR {cfg.SOLVER.BASE_LR}), once per seed ({', '.join(map(str, seeds))}); COCO box and mask AP "
         f"on `{cfg.DATASETS.TEST[0]}`, mean ± sample standard deviation over the seeds. A setting is the "
-        "backbone's norm, then that of the FPN and both heads. *Test statistics*: with *batch average (K)*, "
+        "backbone's norm, then that of the FPN and both heads (FrozenBN is the paper's BN†, - no norm). "
+        "*Test statistics*: with *batch average (K)*, "
         "the batch-dependent statistics (BN's running statistics, SN's BN branch, DN's) are recomputed from "
         "K training batches before evaluation (`TEST.BATCH_AVERAGE`, the SN paper's batch average; for BN "
         "it replaces the moving average, as detectron2's PreciseBN would); *–*: the setting has none. "
@@ -314,10 +351,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Train the same CPU-sized Mask R-CNN once per norm setting and seed and compare COCO AP."
     )
-    parser.add_argument("--config-file", default=DEFAULT_CONFIG, metavar="FILE", help="the base config (%(default)s)")
     parser.add_argument(
-        "--settings", nargs="+", default=list(DEFAULT_SETTINGS), metavar="SETTING",
-        help="NORM (backbone, FPN, heads) or BACKBONE/HEAD; default: %(default)s",
+        "--finetune", action="store_true",
+        help="finetune each backbone from one pretrained with its norm (the SN paper's protocol); without it, "
+        "train from scratch",
+    )  # fmt: skip
+    parser.add_argument(
+        "--config-file", metavar="FILE",
+        help=f"the base config (default: {DEFAULT_CONFIG}; with --finetune {DEFAULT_FINETUNE_CONFIG})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--settings", nargs="+", metavar="SETTING",
+        help=f"NORM (backbone, FPN, heads) or BACKBONE/HEAD, - for none; default: {' '.join(DEFAULT_SETTINGS)}; "
+        f"with --finetune {' '.join(FINETUNE_SETTINGS)}",
     )  # fmt: skip
     parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="default: %(default)s")
     parser.add_argument("--iters", type=int, help="iterations per run, the schedule scaled (default: the config's)")
@@ -325,11 +371,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--batch-average-batches", type=int, metavar="K",
         help="batches of the batch average for settings with batch statistics; 0: none (default: the config's)",
     )  # fmt: skip
-    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help="one folder per run in it (%(default)s)")
+    parser.add_argument(
+        "--output-dir",
+        help=f"one folder per run in it (default: {DEFAULT_OUTPUT_DIR}; with --finetune {DEFAULT_FINETUNE_OUTPUT_DIR})",
+    )  # fmt: skip
     parser.add_argument("--publish", metavar="FILE", help="also write the table here, e.g. model_zoo/compare_norms.md")
     parser.add_argument("--report-only", action="store_true", help="only write the tables and plots of finished runs")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides for every run")
     args = parser.parse_args(argv)
+    args.config_file = args.config_file or (DEFAULT_FINETUNE_CONFIG if args.finetune else DEFAULT_CONFIG)
+    args.output_dir = args.output_dir or (DEFAULT_FINETUNE_OUTPUT_DIR if args.finetune else DEFAULT_OUTPUT_DIR)
+    args.settings = args.settings or list(FINETUNE_SETTINGS if args.finetune else DEFAULT_SETTINGS)
     try:
         args.settings = [parse_setting(text) for text in args.settings]
     except ValueError as error:
@@ -342,10 +394,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s compare_norms] %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
     cfg = load_cfg(os.path.abspath(args.config_file), list(args.opts))
+    backbones = pretrained_backbones(cfg, args.settings) if args.finetune else None
     try:
         runs = plan_runs(
             cfg, args.config_file, args.settings, args.seeds, args.output_dir, args.iters, args.batch_average_batches,
-            args.opts,
+            args.opts, backbones,
         )  # fmt: skip
         check_folders(runs)
     except ValueError as error:

@@ -9,6 +9,9 @@ the convolutions and the classifier's weight only (none on norms and biases; the
 their own learning-rate factor, ``sn_detection.d2.optimizer``). PRETRAIN.IMS_PER_BATCH is the batch over
 all processes: large batches are the point of pretraining (BN, and SN's BN branch, see them), so each
 process holds IMS_PER_BATCH / K images and PRETRAIN.SYNC_NORMS pools SN's and BN's statistics over all.
+After the last iteration the batch-dependent test statistics become the exact statistics of
+PRETRAIN.BATCH_AVERAGE_BATCHES further training batches (the SN paper's batch average, as detectron2's
+PreciseBN), before the final evaluation and checkpoint.
 
 Outputs in PRETRAIN.OUTPUT_DIR: ``backbone.pth`` (the backbone checkpoint, ``model``), ``results.json``
 (top-1 on the val split, the input convention, what was trained and how long), ``metrics.json``,
@@ -18,7 +21,8 @@ crops and flips (``data``), so a resumed run trains as an uninterrupted one.
 
 ``cached_backbone(cfg)`` pretrains once into a cache folder keyed by everything that determines the
 backbone (the ResNet and norm settings, the input convention, PRETRAIN, SEED), verified by its manifest
-on every use like the datasets (``sn_detection.data.cache``): the demo's backbone.
+on every use like the datasets (``sn_detection.data.cache``): the demo's backbone, and the finetuning
+sweep's. The folders are in ``$SN_DETECTION_PRETRAINED``, by default ``~/.cache/sn_detection/pretrained``.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ from torch.utils.data import DataLoader
 
 from ..conversion import InputConvention
 from ..conversion.files import write_checkpoint
+from ..d2.hooks import batch_average_hook, insert_before_evaluation
 from ..d2.optimizer import get_optimizer_params
-from ..data.cache import data_root, ensure_folder
+from ..data.cache import ensure_folder
 from .data import ClassificationImages, SeededStream, collate, data_folder, shard
 from .model import BackboneClassifier, backbone_state, input_convention
 
@@ -158,7 +163,10 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
     schedule = build_schedule(cfg, optimizer)
     evaluation = Evaluation(cfg, ddp, val_images)
     main_process = comm.is_main_process()
-    trainer.register_hooks([
+    batches = cfg.PRETRAIN.BATCH_AVERAGE_BATCHES
+    average = batch_average_hook(ddp, lambda start: train_loader(cfg, train_images, cfg.PRETRAIN.MAX_ITER + start),
+                                 batches, period=0) if batches else None  # fmt: skip
+    trainer.register_hooks(insert_before_evaluation([
         hooks.IterationTimer(),
         hooks.LRScheduler(optimizer, schedule),
         hooks.PeriodicCheckpointer(checkpointer, cfg.PRETRAIN.CHECKPOINT_PERIOD) if main_process else None,
@@ -167,7 +175,7 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
             [CommonMetricPrinter(cfg.PRETRAIN.MAX_ITER), JSONWriter(os.path.join(output_dir, "metrics.json"))],
             period=LOG_PERIOD,
         ) if main_process else None,
-    ])  # fmt: skip
+    ], average))  # fmt: skip
     start_iter = 0
     if resume and checkpointer.has_checkpoint():
         checkpointer.resume_or_load("", resume=True)
@@ -210,6 +218,14 @@ def report(results: dict, path: str) -> None:
     )  # fmt: skip
 
 
+DEFAULT_PRETRAINED_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "sn_detection", "pretrained")
+
+
+def pretrained_root() -> str:
+    """Where cached backbones are kept: ``$SN_DETECTION_PRETRAINED``, else ``DEFAULT_PRETRAINED_ROOT``."""
+    return os.environ.get("SN_DETECTION_PRETRAINED", DEFAULT_PRETRAINED_ROOT)
+
+
 def cache_key(cfg: CfgNode) -> dict:
     """Everything that determines the pretrained backbone (module docstring)."""
     pretrain = {k: v for k, v in cfg.PRETRAIN.items() if k not in ("OUTPUT_DIR", "NUM_WORKERS", "EVAL_PERIOD", "CHECKPOINT_PERIOD")}
@@ -229,7 +245,7 @@ def cached_backbone(cfg: CfgNode) -> str:
     key = json.loads(json.dumps(cache_key(cfg), default=list))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     name = f"resnet{cfg.MODEL.RESNETS.DEPTH}-{cfg.MODEL.RESNETS.NORM}-{digest}"
-    folder = os.path.join(data_root(), "pretrained", name)
+    folder = os.path.join(pretrained_root(), name)
 
     def make(target: str) -> None:
         work = os.path.join(target, "training")

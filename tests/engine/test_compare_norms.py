@@ -159,3 +159,43 @@ def test_a_failed_run_does_not_stop_the_sweep(tmp_path, train_net_calls):
         (attempt,) = read_record(run.folder)["attempts"]
         assert attempt["returncode"] != 0
         assert "NO_SUCH_KEY" in open(os.path.join(run.folder, compare_norms.TRAIN_LOG)).read()
+
+
+def test_a_no_norm_head_is_a_setting():
+    setting = parse_setting("FrozenBN/-")
+    assert (setting.backbone, setting.head, setting.folder_name) == ("FrozenBN", "-", "FrozenBN--")
+    assert setting.norm_overrides()[1::2] == ["FrozenBN", "", "", ""]
+
+
+def test_tiny_finetune_sweep_pretrains_each_backbone_once_and_finetunes_from_it(
+    tmp_path, train_net_calls, tiny_classification_set, monkeypatch
+):
+    """The SN paper's protocol at a tiny budget: FrozenBN (BN†) from a BN-pretrained backbone, SN from an
+    SN-pretrained one, each pretrained once (cached) and loaded by the runs. (The heads are normalized: a
+    backbone pretrained for two iterations gives features no head without norm survives.)"""
+    monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "backbones"))
+    pretraining = [
+        "PRETRAIN.DATA", tiny_classification_set, "PRETRAIN.IMAGE_SIZE", "32", "PRETRAIN.IMS_PER_BATCH", "4",
+        "PRETRAIN.MAX_ITER", "2", "PRETRAIN.WARMUP_ITERS", "1", "PRETRAIN.NUM_WORKERS", "0",
+        "PRETRAIN.BATCH_AVERAGE_BATCHES", "4",
+    ]  # fmt: skip
+    arguments = ["--finetune", "--config-file", CONFIG, "--settings", "FrozenBN/GN", "SN", "--seeds", "3",
+                 "--iters", "2", "--batch-average-batches", "1", "--output-dir", str(tmp_path / "sweep"),
+                 *TINY, *pretraining, "MODEL.BACKBONE.FREEZE_AT", "2"]  # fmt: skip
+    assert compare_norms.main(arguments) == 0
+    backbones = sorted(os.listdir(tmp_path / "backbones"))
+    assert [name.split("-")[:2] for name in backbones] == [["resnet18", "BN"], ["resnet18", "SN"]]
+    for command, norm in zip(train_net_calls, ("BN", "SN")):
+        weights = command[command.index("MODEL.WEIGHTS") + 1]
+        assert weights.startswith(str(tmp_path / "backbones" / f"resnet18-{norm}-")), weights
+        folder = command[command.index("OUTPUT_DIR") + 1]
+        log = open(os.path.join(folder, compare_norms.TRAIN_LOG)).read()
+        missing = log.split("not found in the checkpoint:")[1].split("\n[")[0]  # the keys detectron2 lists
+        assert f"Loading from {weights}" in log and "backbone.fpn_lateral2" in missing and "bottom_up" not in missing
+    table = (tmp_path / "sweep" / "results.md").read_text()
+    assert "finetuned (stages up to res2 frozen) from a ResNet-18 pretrained" in table
+    assert "| FrozenBN/GN | FrozenBN | GN | – (none) | 1 |" in table
+
+    train_net_calls.clear()
+    assert compare_norms.main(arguments) == 0  # everything finished: nothing trained, nothing pretrained
+    assert train_net_calls == [] and sorted(os.listdir(tmp_path / "backbones")) == backbones

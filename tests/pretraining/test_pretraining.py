@@ -13,7 +13,7 @@ import torch
 from detectron2.checkpoint import DetectionCheckpointer
 from detectron2.modeling import build_model
 from PIL import Image
-from tiny import REPO, tiny_cfg, tiny_pretraining
+from tiny_pretraining import REPO, tiny_cfg, tiny_pretraining
 
 from sn_detection.pretraining import BackboneClassifier, cached_backbone, pretrain
 from sn_detection.pretraining import train as pretraining_train
@@ -126,7 +126,7 @@ def test_a_folder_without_splits_is_refused(tmp_path):
 
 
 def test_the_cached_backbone_is_made_once(tiny_classification_set, tmp_path, monkeypatch):
-    monkeypatch.setenv("SN_DETECTION_DATA", str(tmp_path / "cache"))
+    monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
     calls = []
     original = pretraining_train.pretrain
     monkeypatch.setattr(pretraining_train, "pretrain", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))

@@ -17,7 +17,7 @@ def tiny_pretraining(data, output_dir, *opts):
         "MODEL.ROI_MASK_HEAD.NORM", "SN", "PRETRAIN.DATA", str(data), "PRETRAIN.IMAGE_SIZE", "32",
         "PRETRAIN.IMS_PER_BATCH", "4", "PRETRAIN.MAX_ITER", "4", "PRETRAIN.WARMUP_ITERS", "2",
         "PRETRAIN.NUM_WORKERS", "0", "PRETRAIN.CHECKPOINT_PERIOD", "2", "PRETRAIN.OUTPUT_DIR", str(output_dir),
-        "SEED", "1", *opts,
+        "PRETRAIN.BATCH_AVERAGE_BATCHES", "2", "SEED", "1", *opts,
     ]  # fmt: skip
 
 
