@@ -19,6 +19,7 @@ from batch_average_nets import (
     parameters,
     pixels,
 )
+from gloo_processes import join_group, leave_group, run_processes
 from torch import nn
 
 from sn_detection.layers import (
@@ -204,7 +205,7 @@ def rank_batches(scenario, rank):
 def _average_in_process(rank, world_size, init_file):
     """The batch average on each process with that process's batches: SyncSN stores the statistics of every
     process's batches, bit for bit the same on all; SN those of its own (or keeps its own if it saw none)."""
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    join_group(rank, world_size, init_file)
     try:
         for scenario in RANK_BATCH_SIZES:
             model = TwoBranches()
@@ -227,8 +228,8 @@ def _average_in_process(rank, world_size, init_file):
                 assert torch.equal(model.local.running_mean, before[0]), scenario
                 assert torch.equal(model.local.running_var, before[1]), scenario
     finally:
-        torch.distributed.destroy_process_group()
+        leave_group()
 
 
 def test_several_processes_syncsn_averages_all_batches_others_their_own(tmp_path):
-    torch.multiprocessing.spawn(_average_in_process, args=(2, str(tmp_path / "init")), nprocs=2)
+    run_processes(_average_in_process, (2, str(tmp_path / "init")), nprocs=2)

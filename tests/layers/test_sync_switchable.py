@@ -7,13 +7,10 @@ steps under DistributedDataParallel (the layer's collectives interleaved with DD
 all-reduce, as in detectron2's training), against the SN network trained on the concatenated batches.
 """
 
-import time
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_processes import join_group, leave_group, run_processes
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -91,9 +88,7 @@ def train_with_ddp(rank):
 
 
 def worker(rank, init_file, result_dir):
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=60)
-    )
+    join_group(rank, WORLD_SIZE, init_file)
     results = {}
     for seed, (name, sizes) in enumerate(SPLITS.items()):
         x, grad_y, state = problem(sizes, seed)
@@ -112,20 +107,13 @@ def worker(rank, init_file, result_dir):
     results["batch average"] = (layer.running_mean, layer.running_var)
     results["ddp"] = train_with_ddp(rank)
     torch.save(results, result_dir / f"rank{rank}.pt")
-    dist.barrier()  # without it, gloo's destroy_process_group occasionally hangs (torch 2.3)
-    dist.destroy_process_group()
+    leave_group()
 
 
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory):
     directory = tmp_path_factory.mktemp("sync_sn")
-    workers = mp.spawn(worker, args=(directory / "init", directory), nprocs=WORLD_SIZE, join=False)
-    deadline = time.monotonic() + 120
-    while not workers.join(timeout=1):
-        if time.monotonic() > deadline:  # a collective mismatch must fail the test, not hang the suite
-            for process in workers.processes:
-                process.kill()
-            pytest.fail("distributed workers did not finish in 120 s")
+    run_processes(worker, (directory / "init", directory), WORLD_SIZE)
     return [torch.load(directory / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
 
 
