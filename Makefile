@@ -7,11 +7,13 @@ SHELL := /bin/bash
 env:
 	tools/setup_env.sh
 
-# Train the demo, then write what its norms chose (OUTPUT_DIR/norm_analysis) and its predictions on
+# Pretrain the demo's SN backbone on the embedded classification set (first run only: cached), finetune
+# the demo from it, then write what its norms chose (OUTPUT_DIR/norm_analysis) and its predictions on
 # val images (OUTPUT_DIR/demo) for the model it trained; each step prints where its files are.
 demo:
 	py=$$(tools/setup_env.sh)
-	$$py tools/train_net.py --config-file configs/demo_mask_rcnn_sn.yaml
+	backbone=$$($$py tools/pretrain_backbone.py --config-file configs/demo_mask_rcnn_sn.yaml --cached | tee /dev/stderr | tail -n 1)
+	$$py tools/train_net.py --config-file configs/demo_mask_rcnn_sn.yaml MODEL.WEIGHTS $$backbone
 	$$py tools/analyze_norms.py --config-file configs/demo_mask_rcnn_sn.yaml
 	$$py tools/demo.py --config-file configs/demo_mask_rcnn_sn.yaml
 

@@ -48,7 +48,7 @@ def test_the_lazy_model_is_its_yaml_twin(lazy):
     model = instantiate(cfg.model)
     expected = factory(64)
     ours = [m for m in model.modules() if isinstance(m, NORM_CLASSES)]
-    assert len(ours) > 60 and all(type(m) is type(expected) for m in ours)
+    assert len(ours) > 30 and all(type(m) is type(expected) for m in ours)
     for layer in ours:
         for option, value in factory.options.items():
             assert getattr(layer, option) == value, option
@@ -66,12 +66,9 @@ def test_a_saved_lazy_config_builds_the_same_model(tmp_path):
 
 
 def tiny_demo(output_dir):
-    """configs/lazy/demo_mask_rcnn_sn.py shrunk in Python (R18, 16-wide FPN and heads, 64 px, one
-    iteration), as a user would, and saved as the file the tool reads."""
+    """configs/lazy/demo_mask_rcnn_sn.py shrunk in Python (16-wide FPN and heads, 64 px, two iterations,
+    from scratch), as a user would, and saved as the file the tool reads."""
     cfg = LazyConfig.load(os.path.join(LAZY, "demo_mask_rcnn_sn.py"))
-    stages = cfg.model.backbone.bottom_up.stages
-    stages.depth = 18
-    del stages.stride_in_1x1  # basic blocks take none
     cfg.model.backbone.out_channels = 16
     cfg.model.proposal_generator.head.in_channels = 16
     cfg.model.roi_heads.box_head.input_shape = ShapeSpec(channels=16, height=7, width=7)
