@@ -4,9 +4,10 @@ Not a test: a measurement to run by hand, on CPU and, when available, CUDA:
 
     python tools/benchmark_norms.py [--shapes small] [--repeats 5] [--threads N] [--json results.json]
 
-Shapes are those of detection: an FPN level at batch 2 (2, 256, 200, 336), the RoI box head
-(512, 256, 14, 14) and a stem-sized map (2, 64, 400, 672). Each layer runs in training mode in float32;
-the time is the median of ``--repeats`` forward + backward passes after two warm-up passes.
+Shapes are those of detection: two FPN levels at batch 2 (2, 256, 200, 336) and (2, 256, 100, 168), the
+RoI box head (512, 256, 14, 14) and a stem-sized map (2, 64, 400, 672). Each layer runs in training mode in
+float32; the time is the median of ``--repeats`` forward + backward passes after two warm-up passes, and
+"rounds" the lowest and highest ratio to GroupNorm within one round: the run-to-run spread.
 
 Memory is what one forward + backward costs beyond its input and upstream gradient:
 
@@ -28,16 +29,16 @@ opens a parallel region, which costs milliseconds when another process holds a c
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 from torch import nn
 
+from sn_detection.engine.timing import WARMUP_ROUNDS, interleaved_seconds, ratio_to
 from sn_detection.layers import NORM_NAMES, build_norm
 
 SHAPES = {
-    "full": [(2, 256, 200, 336), (512, 256, 14, 14), (2, 64, 400, 672)],
+    "full": [(2, 256, 200, 336), (2, 256, 100, 168), (512, 256, 14, 14), (2, 64, 400, 672)],
     "small": [(2, 64, 50, 84), (64, 64, 14, 14), (2, 32, 100, 168)],
 }
 REFERENCE = "torch GN(32)"
@@ -93,18 +94,12 @@ def step(layer, x, grad_y):
     layer.zero_grad(set_to_none=True)
 
 
-def median_seconds(layers, x, grad_y, repeats):
-    """Median time of one forward + backward per layer, over ``repeats`` interleaved rounds."""
-    times = {label: [] for label in layers}
-    for round_index in range(repeats + 2):
-        for label, layer in layers.items():
-            synchronize(x.device)
-            start = time.perf_counter()
-            step(layer, x, grad_y)
-            synchronize(x.device)
-            if round_index >= 2:  # two warm-up rounds
-                times[label].append(time.perf_counter() - start)
-    return {label: statistics.median(values) for label, values in times.items()}
+def timed_step(layer, x, grad_y):
+    synchronize(x.device)
+    start = time.perf_counter()
+    step(layer, x, grad_y)
+    synchronize(x.device)
+    return time.perf_counter() - start
 
 
 def kept_bytes(layer, x):
@@ -136,15 +131,19 @@ def measure(device, shape, repeats):
     x = torch.randn(shape, device=device, generator=generator).requires_grad_()
     grad_y = torch.randn(shape, device=device, generator=generator)
     layers = {label: layer.to(device).train() for label, layer in candidates(shape[1])}
-    seconds = median_seconds(layers, x, grad_y, repeats)
+    times = interleaved_seconds(layers, range(repeats + WARMUP_ROUNDS), lambda layer, _: timed_step(layer, x, grad_y))
+    vs_gn, vs_multi_op = ratio_to(times, REFERENCE), ratio_to(times, MULTI_OP)
     rows = []
     for label, layer in layers.items():
         memory = peak_cuda_bytes(layer, x, grad_y) if device.type == "cuda" else kept_bytes(layer, x)
-        rows.append({"device": device.type, "shape": list(shape), "layer": label, "seconds": seconds[label], "bytes": memory})
+        rows.append({
+            "device": device.type, "shape": list(shape), "layer": label, "seconds": vs_gn[label]["seconds"],
+            "bytes": memory, "time_vs_gn": vs_gn[label]["ratio"], "time_vs_gn_range": vs_gn[label]["ratio_range"],
+            "time_vs_multi_op": vs_multi_op[label]["ratio"],
+        })  # fmt: skip
     by_label = {row["layer"]: row for row in rows}
     for row in rows:
         for suffix, reference in (("gn", by_label[REFERENCE]), ("multi_op", by_label[MULTI_OP])):
-            row[f"time_vs_{suffix}"] = row["seconds"] / reference["seconds"]
             row[f"memory_vs_{suffix}"] = row["bytes"] / reference["bytes"]
     if device.type == "cuda":
         for row in rows:
@@ -154,7 +153,7 @@ def measure(device, shape, repeats):
 
 def print_table(rows):
     header = (
-        f"{'device':6} {'shape':20} {'layer':13} {'fwd+bwd ms':>10} {'x GN':>6} {'memory MiB':>10} {'x GN':>6} "
+        f"{'device':6} {'shape':20} {'layer':13} {'fwd+bwd ms':>10} {'x GN':>6} {'rounds':>11} {'memory MiB':>10} {'x GN':>6} "
         f"{'time x multi-op':>15} {'mem x multi-op':>14}"
     )
     print(header)
@@ -163,7 +162,8 @@ def print_table(rows):
         shape = "x".join(map(str, row["shape"]))
         print(
             f"{row['device']:6} {shape:20} {row['layer']:13} {1e3 * row['seconds']:10.1f} "
-            f"{row['time_vs_gn']:6.2f} {row['bytes'] / 2**20:10.1f} {row['memory_vs_gn']:6.2f} "
+            f"{row['time_vs_gn']:6.2f} {'{:.2f}-{:.2f}'.format(*row['time_vs_gn_range']):>11} "
+            f"{row['bytes'] / 2**20:10.1f} {row['memory_vs_gn']:6.2f} "
             f"{row['time_vs_multi_op']:15.2f} {row['memory_vs_multi_op']:14.2f}"
         )
 

@@ -18,12 +18,12 @@ per-channel affine, is the floor any normalizer is compared with.
   mask head, whatever it has learned.
 
 The settings are timed in interleaved rounds (two warm-up rounds first), so that a load change on a
-shared machine hits all of them alike; the table gives each setting's median and its ratio to GN.
+shared machine hits all of them alike; the table gives each setting's median, its ratio to GN, and the
+lowest and highest ratio within one round ("rounds": the run-to-run spread).
 """
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
@@ -34,6 +34,7 @@ from detectron2.utils.events import EventStorage
 
 from sn_detection import d2
 from sn_detection.data.datasets import register_shapes_datasets
+from sn_detection.engine.timing import WARMUP_ROUNDS, interleaved_seconds, ratio_to
 
 NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
 REFERENCE = "GN"
@@ -90,25 +91,16 @@ class Setting:
         return time.perf_counter() - start
 
 
-def interleaved_medians(settings, batches, measure):
-    """Median seconds of ``measure(setting, batch)`` per setting, over interleaved rounds."""
-    times = {name: [] for name in settings}
-    for round_index, batch in enumerate(batches):
-        for name, setting in settings.items():
-            seconds = measure(setting, batch)
-            if round_index >= 2:  # two warm-up rounds
-                times[name].append(seconds)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def print_table(rows):
-    header = f"{'setting':10} {'train step s':>12} {'x GN':>6} {'inference s':>12} {'x GN':>6}"
+    header = f"{'setting':10} {'train step s':>12} {'x GN':>6} {'rounds':>11} {'inference s':>12} {'x GN':>6} {'rounds':>11}"
     print(header)
     print("-" * len(header))
     for row in rows:
         print(
             f"{row['norm']:10} {row['train_seconds']:12.3f} {row['train_vs_gn']:6.2f} "
-            f"{row['inference_seconds']:12.3f} {row['inference_vs_gn']:6.2f}"
+            f"{'{:.2f}-{:.2f}'.format(*row['train_vs_gn_range']):>11} "
+            f"{row['inference_seconds']:12.3f} {row['inference_vs_gn']:6.2f} "
+            f"{'{:.2f}-{:.2f}'.format(*row['inference_vs_gn_range']):>11}"
         )
 
 
@@ -138,16 +130,17 @@ def main():
     device = torch.device(cfg.MODEL.DEVICE)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, device {gpu or 'cpu'}")
-    batches = fixed_batches(cfg, args.rounds + 2)
+    batches = fixed_batches(cfg, args.rounds + WARMUP_ROUNDS)
     settings = {norm: Setting(setting_cfg(cfg, norm)) for norm in norms}
-    train = interleaved_medians(settings, batches, lambda s, batch: s.train_step(batch))
-    inference = interleaved_medians(settings, batches, lambda s, batch: s.inference(batch))
+    train = ratio_to(interleaved_seconds(settings, batches, lambda s, batch: s.train_step(batch)), REFERENCE)
+    inference = ratio_to(interleaved_seconds(settings, batches, lambda s, batch: s.inference(batch)), REFERENCE)
 
     rows = [
         {
             "norm": norm, "device": device.type, "gpu": gpu, "config": args.config_file,
-            "train_seconds": train[norm], "train_vs_gn": train[norm] / train[REFERENCE],
-            "inference_seconds": inference[norm], "inference_vs_gn": inference[norm] / inference[REFERENCE],
+            "train_seconds": train[norm]["seconds"], "train_vs_gn": train[norm]["ratio"],
+            "train_vs_gn_range": train[norm]["ratio_range"], "inference_seconds": inference[norm]["seconds"],
+            "inference_vs_gn": inference[norm]["ratio"], "inference_vs_gn_range": inference[norm]["ratio_range"],
         }
         for norm in norms
     ]
