@@ -17,6 +17,7 @@ from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
 from ..pretraining import cached_backbone, pretrain
+from ..pretraining.train import report
 from .launch import load_cfg
 
 
@@ -27,7 +28,10 @@ def pretrain_in_process(args) -> dict:
     cfg.freeze()
     default_setup(cfg, args)
     setup_logger(output=cfg.OUTPUT_DIR, distributed_rank=comm.get_rank(), name="sn_detection")
-    return pretrain(cfg, resume=args.resume)
+    results = pretrain(cfg, resume=args.resume)
+    if comm.is_main_process():
+        report(cfg.OUTPUT_DIR)
+    return results
 
 
 def main(argv: Optional[Sequence[str]] = None):

@@ -204,12 +204,15 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
         write_checkpoint(backbone_state(model), os.path.join(output_dir, BACKBONE_FILE), author="sn_detection pretraining")
         with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
             json.dump(results, f, indent=2)
-        report(results, os.path.join(output_dir, BACKBONE_FILE))
     return results
 
 
-def report(results: dict, path: str) -> None:
-    """What was pretrained, its top-1, and the input convention a detection config must use."""
+def report(folder: str) -> None:
+    """Logs what the backbone in ``folder`` is, its top-1, and the input convention a detection config must
+    use (from its results file): by the callers of ``pretrain``, which know where the backbone stays."""
+    with open(os.path.join(folder, RESULTS_FILE)) as f:
+        results = json.load(f)
+    path = os.path.join(folder, BACKBONE_FILE)
     overrides = InputConvention(**results["input_convention"]).config_overrides()
     logger.info(
         "Pretrained ResNet-%d (%s): top-1 %.2f %% on the val split; backbone in %s. A detection config loads it "
@@ -254,4 +257,6 @@ def cached_backbone(cfg: CfgNode) -> str:
             shutil.move(os.path.join(work, kept), os.path.join(target, kept))
         shutil.rmtree(work)
 
-    return os.path.join(ensure_folder(folder, key, make), BACKBONE_FILE)
+    folder = ensure_folder(folder, key, make)
+    report(folder)
+    return os.path.join(folder, BACKBONE_FILE)

@@ -4,6 +4,7 @@ uninterrupted one; two processes with SyncSN equal one with the concatenated bat
 read; the demo's cached backbone is made once and reused."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -125,16 +126,22 @@ def test_a_folder_without_splits_is_refused(tmp_path):
         pretrain(tiny_cfg(tmp_path, tmp_path / "out"))
 
 
-def test_the_cached_backbone_is_made_once(tiny_classification_set, tmp_path, monkeypatch):
+def test_the_cached_backbone_is_made_once(tiny_classification_set, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
     calls = []
     original = pretraining_train.pretrain
     monkeypatch.setattr(pretraining_train, "pretrain", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
     cfg = tiny_cfg(tiny_classification_set, tmp_path / "unused", "PRETRAIN.MAX_ITER", "2")
+    logger = logging.getLogger(pretraining_train.__name__)  # detectron2's setup_logger may stop propagation
+    monkeypatch.setattr(logger, "handlers", [*logger.handlers, caplog.handler])
+    monkeypatch.setattr(logger, "level", logging.INFO)
     path = cached_backbone(cfg)
     assert len(calls) == 1 and os.path.isfile(path)
     assert sorted(os.listdir(os.path.dirname(path))) == [BACKBONE_FILE, "manifest.json", "metrics.json", RESULTS_FILE]
     assert cached_backbone(cfg) == path and len(calls) == 1  # reused, verified by its manifest
+    # the log names where the backbone stays, not the folder it was made in
+    assert f"MODEL.WEIGHTS {path} and this input convention" in caplog.text
+    assert ".resnet" not in caplog.text
     with open(path, "ab") as f:
         f.write(b"damage")
     assert cached_backbone(cfg) == path and len(calls) == 2  # damaged: made again
