@@ -296,7 +296,9 @@ def describe(cfg, config_file: str, runs: Sequence[RunSpec]) -> str:
     seeds = sorted({run.seed for run in runs})
     iterations = sorted({run.iterations for run in runs})
     init = "from scratch" if not cfg.MODEL.WEIGHTS else f"from `{cfg.MODEL.WEIGHTS}`"
+    tool = "tools/compare_norms.py"
     if any("MODEL.WEIGHTS" in run.train_args for run in runs):
+        tool += " --finetune"
         init = (
             f"finetuned (stages up to res{cfg.MODEL.BACKBONE.FREEZE_AT} frozen) from a ResNet-{cfg.MODEL.RESNETS.DEPTH} "
             f"pretrained with the backbone's norm (FrozenBN: BN) on classification (`{cfg.PRETRAIN.DATA}`, "
@@ -304,7 +306,7 @@ def describe(cfg, config_file: str, runs: Sequence[RunSpec]) -> str:
             "`tools/pretrain_backbone.py`)"
         )
     return (
-        "### Norm settings compared on this machine (`tools/compare_norms.py`, measured here)\n\n"
+        f"### Norm settings compared on this machine (`{tool}`, measured here)\n\n"
         f"Mask R-CNN R{cfg.MODEL.RESNETS.DEPTH}-FPN (`{config}`: {cfg.INPUT.MIN_SIZE_TEST} px inputs, FPN and "
         f"heads {cfg.MODEL.FPN.OUT_CHANNELS} wide) trained {init} on `{cfg.DATASETS.TRAIN[0]}` at "
         f"{cfg.SOLVER.IMS_PER_BATCH} images per batch for {', '.join(map(str, iterations))} iterations "
