@@ -295,7 +295,7 @@ def describe(cfg, config_file: str, runs: Sequence[RunSpec]) -> str:
     config = relative if not relative.startswith("..") else config_file
     seeds = sorted({run.seed for run in runs})
     iterations = sorted({run.iterations for run in runs})
-    init = "from scratch" if not cfg.MODEL.WEIGHTS else f"from `{cfg.MODEL.WEIGHTS}`"
+    init = "trained from scratch" if not cfg.MODEL.WEIGHTS else f"trained from `{cfg.MODEL.WEIGHTS}`"
     tool = "tools/compare_norms.py"
     if any("MODEL.WEIGHTS" in run.train_args for run in runs):
         tool += " --finetune"
@@ -308,7 +308,7 @@ def describe(cfg, config_file: str, runs: Sequence[RunSpec]) -> str:
     return (
         f"### Norm settings compared on this machine (`{tool}`, measured here)\n\n"
         f"Mask R-CNN R{cfg.MODEL.RESNETS.DEPTH}-FPN (`{config}`: {cfg.INPUT.MIN_SIZE_TEST} px inputs, FPN and "
-        f"heads {cfg.MODEL.FPN.OUT_CHANNELS} wide) trained {init} on `{cfg.DATASETS.TRAIN[0]}` at "
+        f"heads {cfg.MODEL.FPN.OUT_CHANNELS} wide) {init} on `{cfg.DATASETS.TRAIN[0]}` at "
         f"{cfg.SOLVER.IMS_PER_BATCH} images per batch for {', '.join(map(str, iterations))} iterations "
         f"(LR {cfg.SOLVER.BASE_LR}), once per seed ({', '.join(map(str, seeds))}); COCO box and mask AP "
         f"on `{cfg.DATASETS.TEST[0]}`, mean ± sample standard deviation over the seeds. A setting is the "
