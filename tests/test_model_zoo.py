@@ -117,8 +117,9 @@ def test_measured_numbers_are_a_table_of_their_own():
     assert "not the paper's" in measured
     sn = "[demo_mask_rcnn_sn](../configs/demo_mask_rcnn_sn.yaml)"
     gn = "[demo_mask_rcnn_gn](../configs/demo_mask_rcnn_gn.yaml)"
-    assert f"| {sn} | 560 | 9.1 | 18.7 | 8.6 | 17.7 | 9 min 53 s |" in measured
-    assert f"| {sn} | 700 | 9.6 | – | 9.7 | – | – |" in measured
+    assert f"| {sn} | 1200 | 28.0 | 40.2 | 26.3 | 38.9 | 29 min 15 s |" in measured
+    assert f"| {sn} | 1200 | 15.8 | – | 16.3 | – | 22 min |" in measured
+    assert f"| {sn} | 560 | 9.2 | 19.1 | 9.1 | 18.2 | 10 min 58 s |" in measured
     assert f"| {gn} | 1000 | 14.4 | – | 14.9 | – | – |" in measured
     assert {m.config for m in model_zoo.MEASURED} <= config_names_on_disk()
 
