@@ -134,7 +134,8 @@ def test_the_cached_backbone_is_made_once(tiny_classification_set, tmp_path, mon
     cfg = tiny_cfg(tiny_classification_set, tmp_path / "unused", "PRETRAIN.MAX_ITER", "2")
     logger = logging.getLogger(pretraining_train.__name__)  # detectron2's setup_logger may stop propagation
     monkeypatch.setattr(logger, "handlers", [*logger.handlers, caplog.handler])
-    monkeypatch.setattr(logger, "level", logging.INFO)
+    monkeypatch.setattr(logger, "disabled", False)
+    caplog.set_level(logging.INFO, logger=logger.name)  # setLevel: also clears the logger's level cache
     path = cached_backbone(cfg)
     assert len(calls) == 1 and os.path.isfile(path)
     assert sorted(os.listdir(os.path.dirname(path))) == [BACKBONE_FILE, "manifest.json", "metrics.json", RESULTS_FILE]
