@@ -29,12 +29,11 @@ opens a parallel region, which costs milliseconds when another process holds a c
 
 import argparse
 import json
-import time
 
 import torch
 from torch import nn
 
-from sn_detection.engine.timing import WARMUP_ROUNDS, interleaved_seconds, ratio_to
+from sn_detection.engine.timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, range_text, ratio_to
 from sn_detection.layers import NORM_NAMES, build_norm
 
 SHAPES = {
@@ -83,23 +82,10 @@ def candidates(num_channels):
         yield name, build_norm(name, num_channels)
 
 
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def step(layer, x, grad_y):
     layer(x).backward(grad_y)
     x.grad = None
     layer.zero_grad(set_to_none=True)
-
-
-def timed_step(layer, x, grad_y):
-    synchronize(x.device)
-    start = time.perf_counter()
-    step(layer, x, grad_y)
-    synchronize(x.device)
-    return time.perf_counter() - start
 
 
 def kept_bytes(layer, x):
@@ -131,7 +117,8 @@ def measure(device, shape, repeats):
     x = torch.randn(shape, device=device, generator=generator).requires_grad_()
     grad_y = torch.randn(shape, device=device, generator=generator)
     layers = {label: layer.to(device).train() for label, layer in candidates(shape[1])}
-    times = interleaved_seconds(layers, range(repeats + WARMUP_ROUNDS), lambda layer, _: timed_step(layer, x, grad_y))
+    rounds = range(repeats + WARMUP_ROUNDS)
+    times = interleaved_seconds(layers, rounds, lambda layer, _: device_seconds(lambda: step(layer, x, grad_y), device))
     vs_gn, vs_multi_op = ratio_to(times, REFERENCE), ratio_to(times, MULTI_OP)
     rows = []
     for label, layer in layers.items():
@@ -162,7 +149,7 @@ def print_table(rows):
         shape = "x".join(map(str, row["shape"]))
         print(
             f"{row['device']:6} {shape:20} {row['layer']:13} {1e3 * row['seconds']:10.1f} "
-            f"{row['time_vs_gn']:6.2f} {'{:.2f}-{:.2f}'.format(*row['time_vs_gn_range']):>11} "
+            f"{row['time_vs_gn']:6.2f} {range_text(row['time_vs_gn_range']):>11} "
             f"{row['bytes'] / 2**20:10.1f} {row['memory_vs_gn']:6.2f} "
             f"{row['time_vs_multi_op']:15.2f} {row['memory_vs_multi_op']:14.2f}"
         )

@@ -24,7 +24,6 @@ lowest and highest ratio within one round ("rounds": the run-to-run spread).
 
 import argparse
 import json
-import time
 
 import torch
 from detectron2.config import get_cfg
@@ -34,7 +33,7 @@ from detectron2.utils.events import EventStorage
 
 from sn_detection import d2
 from sn_detection.data.datasets import register_shapes_datasets
-from sn_detection.engine.timing import WARMUP_ROUNDS, interleaved_seconds, ratio_to
+from sn_detection.engine.timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, range_text, ratio_to
 
 NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
 REFERENCE = "GN"
@@ -53,11 +52,6 @@ def fixed_batches(cfg, count):
     return [next(loader) for _ in range(count)]
 
 
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Setting:
     """One normalizer's model and optimizer, with a timed training step and a timed inference."""
 
@@ -69,26 +63,20 @@ class Setting:
 
     def train_step(self, batch):
         self.model.train()
-        synchronize(self.device)
-        start = time.perf_counter()
+        return device_seconds(lambda: self._train(batch), self.device)
+
+    def _train(self, batch):
         with EventStorage():
             losses = self.model(batch)
-        loss = sum(losses.values())
         self.optimizer.zero_grad()
-        loss.backward()
+        sum(losses.values()).backward()
         self.optimizer.step()
-        synchronize(self.device)
-        return time.perf_counter() - start
 
     @torch.no_grad()
     def inference(self, batch):
         self.model.eval()
         inputs = [{key: item[key] for key in ("image", "height", "width")} for item in batch]
-        synchronize(self.device)
-        start = time.perf_counter()
-        self.model(inputs)
-        synchronize(self.device)
-        return time.perf_counter() - start
+        return device_seconds(lambda: self.model(inputs), self.device)
 
 
 def print_table(rows):
@@ -98,9 +86,9 @@ def print_table(rows):
     for row in rows:
         print(
             f"{row['norm']:10} {row['train_seconds']:12.3f} {row['train_vs_gn']:6.2f} "
-            f"{'{:.2f}-{:.2f}'.format(*row['train_vs_gn_range']):>11} "
+            f"{range_text(row['train_vs_gn_range']):>11} "
             f"{row['inference_seconds']:12.3f} {row['inference_vs_gn']:6.2f} "
-            f"{'{:.2f}-{:.2f}'.format(*row['inference_vs_gn_range']):>11}"
+            f"{range_text(row['inference_vs_gn_range']):>11}"
         )
 
 

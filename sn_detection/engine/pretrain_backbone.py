@@ -16,8 +16,7 @@ from detectron2.engine import default_argument_parser, default_setup, launch
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
-from ..pretraining import cached_backbone, pretrain
-from ..pretraining.train import report
+from ..pretraining import cached_backbone, pretrain, report
 from .launch import load_cfg
 
 

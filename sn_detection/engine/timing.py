@@ -4,19 +4,29 @@ shared machine hits every candidate alike, and ratios with their spread over the
 import statistics
 import time
 
+import torch
+
 WARMUP_ROUNDS = 2
 
 
-def interleaved_seconds(candidates, inputs, run, clock=time.perf_counter):
-    """Seconds of ``run(candidate, input)`` per candidate label, one round per input, every candidate once
-    per round; the first ``WARMUP_ROUNDS`` rounds are not kept. ``run`` returns its own seconds, or None
-    to be timed by ``clock`` here (the caller synchronizes its device inside ``run``)."""
+def device_seconds(function, device: torch.device) -> float:
+    """Wall seconds of ``function()``, with the device's queued work finished before and after it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    function()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def interleaved_seconds(candidates, inputs, run):
+    """Seconds per candidate label, where ``run(candidate, input)`` returns the seconds of one run: one round
+    per input, every candidate once per round; the first ``WARMUP_ROUNDS`` rounds are not kept."""
     times = {label: [] for label in candidates}
     for round_index, item in enumerate(inputs):
         for label, candidate in candidates.items():
-            start = clock()
             seconds = run(candidate, item)
-            seconds = clock() - start if seconds is None else seconds
             if round_index >= WARMUP_ROUNDS:
                 times[label].append(seconds)
     return times
@@ -25,12 +35,18 @@ def interleaved_seconds(candidates, inputs, run, clock=time.perf_counter):
 def ratio_to(times, reference):
     """Per label: the median seconds, the ratio of medians to ``reference``'s, and the lowest and highest
     ratio within one round over the rounds (the run-to-run spread of the ratio)."""
+    reference_median = statistics.median(times[reference])
     summary = {}
     for label, values in times.items():
         per_round = [value / base for value, base in zip(values, times[reference])]
         summary[label] = {
             "seconds": statistics.median(values),
-            "ratio": statistics.median(values) / statistics.median(times[reference]),
+            "ratio": statistics.median(values) / reference_median,
             "ratio_range": [min(per_round), max(per_round)],
         }
     return summary
+
+
+def range_text(ratio_range) -> str:
+    """A ratio range as the tables print it: ``low-high``."""
+    return "{:.2f}-{:.2f}".format(*ratio_range)

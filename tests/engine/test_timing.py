@@ -1,9 +1,12 @@
 """The benchmarks' side-by-side timing: every candidate once per round, warm-up rounds dropped, ratios of
 medians and their spread over the rounds."""
 
-import pytest
+import time
 
-from sn_detection.engine.timing import WARMUP_ROUNDS, interleaved_seconds, ratio_to
+import pytest
+import torch
+
+from sn_detection.engine.timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, range_text, ratio_to
 
 
 def test_rounds_interleave_candidates_and_drop_the_warm_up():
@@ -18,10 +21,15 @@ def test_rounds_interleave_candidates_and_drop_the_warm_up():
     assert times == {"a": [3.0, 4.0, 5.0], "b": [6.0, 8.0, 10.0]}
 
 
-def test_runs_that_return_none_are_timed_by_the_clock():
-    ticks = iter([0.0, 0.5, 1.0, 1.25, 2.0, 2.75])
-    times = interleaved_seconds({"x": None}, range(WARMUP_ROUNDS + 1), lambda *_: None, clock=lambda: next(ticks))
-    assert times == {"x": [0.75]}
+def test_device_seconds_is_the_wall_time_of_the_call():
+    calls = []
+
+    def work():
+        time.sleep(0.05)
+        calls.append(1)
+
+    seconds = device_seconds(work, torch.device("cpu"))
+    assert calls == [1] and 0.05 <= seconds < 5
 
 
 def test_ratios_are_of_medians_with_the_per_round_range():
@@ -29,3 +37,4 @@ def test_ratios_are_of_medians_with_the_per_round_range():
     assert summary["gn"] == {"seconds": 2.0, "ratio": 1.0, "ratio_range": [1.0, 1.0]}
     assert summary["sn"]["seconds"] == 2.0 and summary["sn"]["ratio"] == 1.0
     assert summary["sn"]["ratio_range"] == pytest.approx([1.0, 1.5])
+    assert range_text(summary["sn"]["ratio_range"]) == "1.00-1.50"
