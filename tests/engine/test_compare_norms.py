@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import time
 
 import pytest
 import yaml
@@ -159,6 +160,30 @@ def test_a_failed_run_does_not_stop_the_sweep(tmp_path, train_net_calls):
         (attempt,) = read_record(run.folder)["attempts"]
         assert attempt["returncode"] != 0
         assert "NO_SUCH_KEY" in open(os.path.join(run.folder, compare_norms.TRAIN_LOG)).read()
+
+
+def test_jobs_run_at_once_on_their_share_of_the_threads(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert [compare_norms.child_environment(jobs)["OMP_NUM_THREADS"] for jobs in (1, 2, 3, 8)] == ["4", "2", "1", "1"]
+    spans, call = {}, subprocess.call
+
+    def timed_call(command, **kwargs):
+        start = time.monotonic()
+        returncode = call(command, **kwargs)
+        spans[command[command.index("OUTPUT_DIR") + 1]] = (start, time.monotonic(), kwargs["env"]["OMP_NUM_THREADS"])
+        return returncode
+
+    monkeypatch.setattr(compare_norms.subprocess, "call", timed_call)
+    cfg = load_cfg(CONFIG, [])
+    planned = plan_runs(cfg, CONFIG, [Setting("GN", "GN"), Setting("SN", "SN"), Setting("BN", "BN")], [1], str(tmp_path))
+    # each fails after its interpreter has started (an unknown config key): seconds, long enough to overlap
+    broken = [dataclasses.replace(run, train_args=(*run.train_args, "MODEL.NO_SUCH_KEY", "1")) for run in planned]
+    assert compare_norms.run_sweep(broken, jobs=2) == broken
+    (first, second, third) = (spans[run.folder] for run in broken)
+    assert second[0] < first[1] and third[0] >= min(first[1], second[1])  # two at a time, in plan order
+    assert {span[2] for span in spans.values()} == {"2"}
+    with pytest.raises(ValueError, match="jobs must be >= 1"):
+        compare_norms.run_sweep(broken, jobs=0)
 
 
 def test_a_no_norm_head_is_a_setting():
