@@ -287,10 +287,12 @@ def run_sweep(
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     labels = {run.folder: f"[{i}/{len(runs)}] {run.setting.name} seed {run.seed}" for i, run in enumerate(runs, 1)}
+    todo = []
     for run in runs:
         if is_finished(run.folder):
             logger.info("%s: finished earlier, skipped (%s)", labels[run.folder], run.folder)
-    todo = [run for run in runs if not is_finished(run.folder)]
+        else:
+            todo.append(run)
 
     def train(run: RunSpec) -> bool:
         log = os.path.join(run.folder, TRAIN_LOG)
