@@ -3,7 +3,10 @@
 The images are the first ``--num-images`` of a registered dataset (``--dataset``, default the embedded
 ``sn_shapes_val``), drawn as predictions | ground truth side by side, or the files given with
 ``--input`` (paths or glob patterns), drawn as predictions. Each one is written as a PNG into
-``--output`` (default OUTPUT_DIR/demo). The model is the config's with its trained weights (see
+``--output`` (default OUTPUT_DIR/demo). On dataset images it also counts what a person checks in the
+pictures: an object is *found* when a drawn detection's box overlaps its ground-truth box at IoU >= 0.5,
+and *right* when the highest-scoring of those has its class; the counts and the confusion of classes
+over the drawn images go to ``objects.md`` in the same folder. The model is the config's with its trained weights (see
 ``trained``); it runs as detectron2's ``DefaultPredictor`` runs it (shortest edge resized to
 INPUT.MIN_SIZE_TEST, at most MAX_SIZE_TEST, images in INPUT.FORMAT).
 """
@@ -20,7 +23,7 @@ import torch
 from detectron2.data import DatasetCatalog, MetadataCatalog
 from detectron2.data import transforms as T
 from detectron2.data.detection_utils import convert_image_to_rgb, read_image
-from detectron2.structures import Instances
+from detectron2.structures import Boxes, BoxMode, Instances, pairwise_iou
 from detectron2.utils.visualizer import Visualizer
 from PIL import Image
 
@@ -29,6 +32,9 @@ from .launch import load_cfg
 from .trained import add_overrides_argument, load_trained_model
 
 OUTPUT_FOLDER = "demo"
+OBJECTS_FILE = "objects.md"
+# the IoU at which a detection finds an object: COCO's AP50 criterion
+FOUND_IOU = 0.5
 # The embedded images are small (128-320 px): draw them enlarged so that labels stay readable.
 DRAW_SCALE = 2.0
 
@@ -87,6 +93,55 @@ def draw(image_rgb: np.ndarray, instances: Instances, metadata, record: Optional
     return np.concatenate([drawn, truth], axis=1)
 
 
+def object_classes(instances: Instances, record: dict) -> list[tuple[int, Optional[int]]]:
+    """(true class, class of the highest-scoring detection that finds it, or None) for each ground-truth
+    object of ``record``, given detections in the image's coordinates."""
+    truth = record.get("annotations", [])
+    if not truth:
+        return []
+    boxes = Boxes(torch.tensor([BoxMode.convert(a["bbox"], a["bbox_mode"], BoxMode.XYXY_ABS) for a in truth]))
+    overlaps = pairwise_iou(boxes, instances.pred_boxes)  # objects x detections
+    scores = torch.where(overlaps >= FOUND_IOU, instances.scores[None, :], torch.tensor(-1.0))
+    outcomes = []
+    for annotation, object_scores in zip(truth, scores):
+        best = int(object_scores.argmax()) if object_scores.numel() and object_scores.max() >= 0 else None
+        outcomes.append((annotation["category_id"], None if best is None else int(instances.pred_classes[best])))
+    return outcomes
+
+
+def confusion(outcomes: Sequence[tuple[int, Optional[int]]], num_classes: int) -> np.ndarray:
+    """Counts of (true class, class of the top detection that finds the object; the last column: missed)."""
+    counts = np.zeros((num_classes, num_classes + 1), dtype=int)
+    for true, predicted in outcomes:
+        counts[true, num_classes if predicted is None else predicted] += 1
+    return counts
+
+
+def objects_summary(counts: np.ndarray) -> str:
+    found, right = int(counts[:, :-1].sum()), int(np.trace(counts[:, :-1]))
+    return (
+        f"{int(counts.sum())} objects: {found} found (a detection's box at IoU >= {FOUND_IOU} with theirs), "
+        f"{right} right (the highest-scoring of those has their class)."
+    )
+
+
+def objects_report(counts: np.ndarray, class_names: Sequence[str], threshold: float) -> str:
+    """Markdown: ``objects_summary`` and the confusion of classes."""
+    lines = [
+        f"# Objects in the drawn images (detections with score >= {threshold})",
+        "",
+        objects_summary(counts) + " Rows: the true class; columns: the class of the highest-scoring "
+        "detection that finds the object.",
+        "",
+        "| true class | " + " | ".join(class_names) + " | missed | right |",
+        "|---" * (len(class_names) + 3) + "|",
+    ]
+    for index, (name, row) in enumerate(zip(class_names, counts)):
+        share = f"{row[index] / row.sum():.2f}" if row.sum() else "–"
+        lines.append(f"| {name} | " + " | ".join(str(n) for n in row) + f" | {share} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     """Run tools/demo.py; returns the images written."""
     args = parse_args(argv)
@@ -101,7 +156,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     model, weights = load_trained_model(cfg, args.opts)
     output_dir = args.output or os.path.join(cfg.OUTPUT_DIR, OUTPUT_FOLDER)
     os.makedirs(output_dir, exist_ok=True)
-    written = []
+    written, outcomes = [], []
     for index, (path, record) in enumerate(items):
         image = read_image(path, format=cfg.INPUT.FORMAT)
         instances = predict(model, cfg, image)
@@ -111,6 +166,14 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         Image.fromarray(picture).save(target)
         written.append(target)
         print(f"{path}: {len(shown)} detections with score >= {args.confidence_threshold} -> {target}")
+        if record is not None:
+            outcomes.extend(object_classes(shown, record))
     layout = "predictions | ground truth" if not args.input else "predictions"
     print(f"Demo of {weights or 'the untrained model'}: {len(written)} images ({layout}) in {output_dir}")
+    if not args.input:
+        counts = confusion(outcomes, len(metadata.thing_classes))
+        target = os.path.join(output_dir, OBJECTS_FILE)
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(objects_report(counts, metadata.thing_classes, args.confidence_threshold))
+        print(f"{objects_summary(counts)} Confusion of classes: {target}")
     return written

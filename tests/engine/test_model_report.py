@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from detectron2.structures import Boxes, BoxMode, Instances
 from PIL import Image
 
 from sn_detection.engine import analyze, demo
@@ -71,6 +72,9 @@ def test_demo_draws_predictions_beside_the_ground_truth(trained, tmp_path):
     written = demo.main(["--config-file", DEMO_CONFIG, "--num-images", "2", "--output", str(tmp_path),
                          "--confidence-threshold", "0", *SHRINK, "OUTPUT_DIR", trained])  # fmt: skip
     assert [os.path.basename(path) for path in written] == ["000_000000.png", "001_000001.png"]
+    objects = sum(len(record["annotations"]) for record in demo.dataset_records("sn_shapes_val", 2))
+    report = (tmp_path / demo.OBJECTS_FILE).read_text(encoding="utf-8")
+    assert f"{objects} objects: " in report and report.count("\n| ") == 1 + 5  # header + one row per class
     for path in written:
         image = np.asarray(Image.open(path).convert("RGB"))
         height, width = image.shape[:2]
@@ -87,6 +91,36 @@ def test_demo_on_image_files(trained, tmp_path):
                          str(tmp_path / "out"), *SHRINK, "OUTPUT_DIR", trained])  # fmt: skip
     assert [os.path.basename(path) for path in written] == ["000_gray.png"]
     assert Image.open(written[0]).size == (256, 192)  # predictions only, drawn at twice the size
+
+
+def test_objects_are_found_by_overlap_and_judged_by_the_top_detection():
+    record = {"annotations": [
+        {"bbox": [0, 0, 10, 10], "bbox_mode": BoxMode.XYWH_ABS, "category_id": 0},  # one right detection
+        {"bbox": [20, 0, 40, 10], "bbox_mode": BoxMode.XYXY_ABS, "category_id": 1},  # the top one is wrong
+        {"bbox": [0, 30, 10, 10], "bbox_mode": BoxMode.XYWH_ABS, "category_id": 2},  # only a far detection
+    ]}  # fmt: skip
+    instances = Instances((50, 50))
+    instances.pred_boxes = Boxes(torch.tensor([
+        [1.0, 0, 10, 10],    # IoU 0.9 with object 0
+        [20, 0, 38, 10],     # IoU 0.9 with object 1
+        [22, 0, 40, 10],     # IoU 0.9 with object 1, higher score, class 2
+        [0, 30, 10, 34],     # IoU 0.4 with object 2: not found
+        [0, 0, 10, 10],      # exactly object 0's box, but the lowest score: not the top detection
+    ]))  # fmt: skip
+    instances.scores = torch.tensor([0.6, 0.5, 0.7, 0.99, 0.3])
+    instances.pred_classes = torch.tensor([0, 1, 2, 2, 4])
+    outcomes = demo.object_classes(instances, record)
+    assert outcomes == [(0, 0), (1, 2), (2, None)]
+    counts = demo.confusion(outcomes + [(0, 0)], 5)
+    assert counts[0, 0] == 2 and counts[1, 2] == 1 and counts[2, 5] == 1 and counts.sum() == 4
+    report = demo.objects_report(counts, ["circle", "triangle", "rectangle", "star", "cross"], 0.25)
+    assert "4 objects: 3 found (a detection's box at IoU >= 0.5 with theirs), 2 right" in report
+    assert "| circle | 2 | 0 | 0 | 0 | 0 | 0 | 1.00 |" in report
+    assert "| triangle | 0 | 0 | 1 | 0 | 0 | 0 | 0.00 |" in report
+    assert "| rectangle | 0 | 0 | 0 | 0 | 0 | 1 | 0.00 |" in report
+    assert "| star | 0 | 0 | 0 | 0 | 0 | 0 | – |" in report
+    empty = Instances((50, 50), pred_boxes=Boxes(torch.zeros(0, 4)), scores=torch.zeros(0), pred_classes=torch.zeros(0))
+    assert demo.object_classes(empty, record) == [(0, None), (1, None), (2, None)]
 
 
 def norm_entries(prefix, layer):
