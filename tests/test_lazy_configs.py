@@ -1,7 +1,8 @@
 """The LazyConfigs of configs/lazy: ``LazyConfig.load`` + ``instantiate`` build the model they describe, our
 layers with their options as plain arguments; each is the twin of a yaml config (the same state-dict keys
-and shapes); and tools/lazyconfig_train_net.py trains one a step, with the batch average and the norm
-analysis, and evaluates it."""
+and shapes, the same optimizer settings and learning rate at every iteration); and
+tools/lazyconfig_train_net.py trains one a step, with the batch average and the norm analysis, and
+evaluates it."""
 
 import json
 import os
@@ -13,6 +14,7 @@ import torch
 from detectron2.config import LazyConfig, get_cfg, instantiate
 from detectron2.layers import ShapeSpec
 from detectron2.modeling import build_model
+from detectron2.solver import LRMultiplier, build_lr_scheduler
 
 from sn_detection import model_zoo
 from sn_detection.d2 import add_sn_config
@@ -32,12 +34,25 @@ TWINS = {
 }
 
 
-def yaml_twin(name):
+def yaml_config(name):
     cfg = get_cfg()
     add_sn_config(cfg)
     cfg.merge_from_file(os.path.join(model_zoo.CONFIG_DIR, f"{name}.yaml"))
     cfg.merge_from_list(["MODEL.DEVICE", "cpu"])
-    return build_model(cfg)
+    return cfg
+
+
+def yaml_twin(name):
+    return build_model(yaml_config(name))
+
+
+def learning_rates(scheduler, max_iter):
+    """The learning rate of every iteration, as the trainers step it."""
+    rates = []
+    for _ in range(max_iter):
+        rates.append(scheduler.optimizer.param_groups[0]["lr"])
+        scheduler.step()
+    return rates
 
 
 @pytest.mark.parametrize("lazy", TWINS)
@@ -54,6 +69,27 @@ def test_the_lazy_model_is_its_yaml_twin(lazy):
             assert getattr(layer, option) == value, option
     shapes = {key: value.shape for key, value in model.state_dict().items()}
     assert shapes == {key: value.shape for key, value in yaml_twin(twin).state_dict().items()}
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # no training here
+@pytest.mark.parametrize("lazy", TWINS)
+def test_the_lazy_schedule_is_its_yaml_twin(lazy):
+    """The same optimizer settings and the same learning rate at every iteration (warm-up, steps, length)."""
+    cfg, twin = LazyConfig.load(os.path.join(LAZY, lazy)), yaml_config(TWINS[lazy][0])
+    solver, optimizer = twin.SOLVER, cfg.optimizer
+    assert cfg.train.max_iter == solver.MAX_ITER
+    assert (optimizer.lr, optimizer.momentum, optimizer.weight_decay) == (
+        solver.BASE_LR, solver.MOMENTUM, solver.WEIGHT_DECAY,
+    )  # fmt: skip
+    params = optimizer.params
+    assert (params.weight_decay_norm, params.gate_lr_factor, params.gate_weight_decay) == (
+        solver.WEIGHT_DECAY_NORM, solver.GATE_LR_FACTOR, solver.GATE_WEIGHT_DECAY,
+    )  # fmt: skip
+    ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=optimizer.lr)
+    theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=solver.BASE_LR)
+    lazy_rates = learning_rates(LRMultiplier(ours, instantiate(cfg.lr_multiplier), cfg.train.max_iter), solver.MAX_ITER)
+    yaml_rates = learning_rates(build_lr_scheduler(twin, theirs), solver.MAX_ITER)
+    assert lazy_rates == pytest.approx(yaml_rates, rel=1e-9)
 
 
 def test_a_saved_lazy_config_builds_the_same_model(tmp_path):
