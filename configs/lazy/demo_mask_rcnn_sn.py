@@ -74,7 +74,7 @@ optimizer = L(torch.optim.SGD)(
 )
 
 train = get_config("common/train.py").train
-train.max_iter = 1500
+train.max_iter = 1000
 train.eval_period = 0  # evaluation after the last iteration
 train.checkpointer.period = 100000
 train.device = "cpu"
@@ -84,8 +84,8 @@ train.batch_average = dict(enabled=True, num_batches=50)
 train.norm_analysis_period = 20
 
 lr_multiplier = L(WarmupParamScheduler)(
-    scheduler=L(MultiStepParamScheduler)(values=[1.0, 0.1, 0.01], milestones=[1125, 1375], num_updates=1500),
-    warmup_length=100 / 1500,
+    scheduler=L(MultiStepParamScheduler)(values=[1.0, 0.1, 0.01], milestones=[750, 920], num_updates=1000),
+    warmup_length=100 / 1000,
     warmup_method="linear",
     warmup_factor=0.001,
 )
