@@ -15,7 +15,7 @@ demo:
 	backbone=$$($$py tools/pretrain_backbone.py --config-file configs/demo_mask_rcnn_sn.yaml --cached | tee /dev/stderr | tail -n 1)
 	$$py tools/train_net.py --config-file configs/demo_mask_rcnn_sn.yaml MODEL.WEIGHTS $$backbone
 	$$py tools/analyze_norms.py --config-file configs/demo_mask_rcnn_sn.yaml
-	$$py tools/demo.py --config-file configs/demo_mask_rcnn_sn.yaml
+	$$py tools/demo.py --config-file configs/demo_mask_rcnn_sn.yaml --class-agnostic-nms 0.5
 
 # The whole suite on the reference stack; then the Triton kernels, run by Triton's interpreter on the CPU
 # in a second environment with current torch and Triton (the reference stack's Triton 2.3.1 cannot

@@ -6,7 +6,9 @@ The images are the first ``--num-images`` of a registered dataset (``--dataset``
 ``--output`` (default OUTPUT_DIR/demo). On dataset images it also counts what a person checks in the
 pictures: an object is *found* when a drawn detection's box overlaps its ground-truth box at IoU >= 0.5,
 and *right* when the highest-scoring of those has its class; the counts and the confusion of classes
-over the drawn images go to ``objects.md`` in the same folder. The model is the config's with its trained weights (see
+over the drawn images go to ``objects.md`` in the same folder. The model's own NMS is per class, so one
+object can carry boxes of several classes; ``--class-agnostic-nms IOU`` draws only the highest-scoring
+of detections that overlap above IOU, whatever their classes. The model is the config's with its trained weights (see
 ``trained``); it runs as detectron2's ``DefaultPredictor`` runs it (shortest edge resized to
 INPUT.MIN_SIZE_TEST, at most MAX_SIZE_TEST, images in INPUT.FORMAT).
 """
@@ -23,6 +25,7 @@ import torch
 from detectron2.data import DatasetCatalog, MetadataCatalog
 from detectron2.data import transforms as T
 from detectron2.data.detection_utils import convert_image_to_rgb, read_image
+from detectron2.layers import nms
 from detectron2.structures import Boxes, BoxMode, Instances, pairwise_iou
 from detectron2.utils.visualizer import Visualizer
 from PIL import Image
@@ -47,10 +50,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--num-images", type=int, default=8, help="at most this many images (8)")
     parser.add_argument("--output", metavar="DIR", help=f"default: OUTPUT_DIR/{OUTPUT_FOLDER}")
     parser.add_argument("--confidence-threshold", type=float, default=0.25, help="lowest score drawn (0.25)")
+    parser.add_argument(
+        "--class-agnostic-nms", type=float, metavar="IOU",
+        help="draw only the highest-scoring of detections overlapping at more than IOU, of any class (off)",
+    )  # fmt: skip
     add_overrides_argument(parser)
     args = parser.parse_args(argv)
     if args.num_images < 1:
         parser.error(f"--num-images must be >= 1, got {args.num_images}")
+    if args.class_agnostic_nms is not None and not 0 < args.class_agnostic_nms <= 1:
+        parser.error(f"--class-agnostic-nms must be an IoU in (0, 1], got {args.class_agnostic_nms}")
     return args
 
 
@@ -82,6 +91,12 @@ def predict(model: torch.nn.Module, cfg, image: np.ndarray) -> Instances:
     with torch.no_grad():
         outputs = model([{"image": tensor, "height": height, "width": width}])[0]
     return outputs["instances"].to("cpu")
+
+
+def suppress_overlaps(instances: Instances, iou: float) -> Instances:
+    """``instances`` without each detection that overlaps a higher-scoring one of any class at IoU > ``iou``,
+    highest score first (NMS across classes)."""
+    return instances[nms(instances.pred_boxes.tensor, instances.scores, iou)]
 
 
 def draw(image_rgb: np.ndarray, instances: Instances, metadata, record: Optional[dict] = None) -> np.ndarray:
@@ -125,10 +140,13 @@ def objects_summary(counts: np.ndarray) -> str:
     )
 
 
-def objects_report(counts: np.ndarray, class_names: Sequence[str], threshold: float) -> str:
+def objects_report(
+    counts: np.ndarray, class_names: Sequence[str], threshold: float, agnostic_iou: Optional[float] = None
+) -> str:
     """Markdown: ``objects_summary`` and the confusion of classes."""
+    across = "" if agnostic_iou is None else f", NMS across classes at IoU {agnostic_iou}"
     lines = [
-        f"# Objects in the drawn images (detections with score >= {threshold})",
+        f"# Objects in the drawn images (detections with score >= {threshold}{across})",
         "",
         objects_summary(counts) + " Rows: the true class; columns: the class of the highest-scoring "
         "detection that finds the object.",
@@ -161,6 +179,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         image = read_image(path, format=cfg.INPUT.FORMAT)
         instances = predict(model, cfg, image)
         shown = instances[instances.scores >= args.confidence_threshold]
+        if args.class_agnostic_nms is not None:
+            shown = suppress_overlaps(shown, args.class_agnostic_nms)
         picture = draw(convert_image_to_rgb(image, cfg.INPUT.FORMAT), shown, metadata, record)
         target = os.path.join(output_dir, f"{index:03d}_{os.path.splitext(os.path.basename(path))[0]}.png")
         Image.fromarray(picture).save(target)
@@ -174,6 +194,6 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         counts = confusion(outcomes, len(metadata.thing_classes))
         target = os.path.join(output_dir, OBJECTS_FILE)
         with open(target, "w", encoding="utf-8") as f:
-            f.write(objects_report(counts, metadata.thing_classes, args.confidence_threshold))
+            f.write(objects_report(counts, metadata.thing_classes, args.confidence_threshold, args.class_agnostic_nms))
         print(f"{objects_summary(counts)} Confusion of classes: {target}")
     return written

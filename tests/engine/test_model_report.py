@@ -123,6 +123,29 @@ def test_objects_are_found_by_overlap_and_judged_by_the_top_detection():
     assert demo.object_classes(empty, record) == [(0, None), (1, None), (2, None)]
 
 
+def test_class_agnostic_nms_keeps_the_top_detection_of_each_place():
+    instances = Instances((50, 50))
+    instances.pred_boxes = Boxes(torch.tensor([
+        [0.0, 0, 10, 10],    # a cross
+        [0, 0, 10, 9],       # the same object called a star, at a higher score: IoU 0.9 with the first
+        [0, 0, 10, 5],       # IoU 0.5 with the first, 0.56 with the second
+        [30, 30, 40, 40],    # elsewhere
+    ]))  # fmt: skip
+    instances.scores = torch.tensor([0.6, 0.7, 0.5, 0.3])
+    instances.pred_classes = torch.tensor([4, 3, 4, 0])
+    kept = demo.suppress_overlaps(instances, 0.7)
+    assert kept.scores.tolist() == pytest.approx([0.7, 0.5, 0.3]) and kept.pred_classes.tolist() == [3, 4, 0]
+    kept = demo.suppress_overlaps(instances, 0.5)
+    assert kept.pred_classes.tolist() == [3, 0]
+    assert len(demo.suppress_overlaps(instances[:0], 0.5)) == 0
+    report = demo.objects_report(demo.confusion([(0, 0)], 5), ["a", "b", "c", "d", "e"], 0.25, 0.7)
+    header = "# Objects in the drawn images (detections with score >= 0.25, NMS across classes at IoU 0.7)"
+    assert report.startswith(header)
+    for bad in ("0", "1.5"):
+        with pytest.raises(SystemExit):
+            demo.parse_args(["--config-file", DEMO_CONFIG, "--class-agnostic-nms", bad])
+
+
 def norm_entries(prefix, layer):
     return {f"{prefix}.{key}": value for key, value in layer.state_dict().items()}
 
