@@ -44,6 +44,7 @@ model.proposal_generator.pre_nms_topk = (1000, 500)
 model.proposal_generator.post_nms_topk = (256, 200)
 model.roi_heads.num_classes = 5
 model.roi_heads.batch_size_per_image = 64
+model.roi_heads.positive_fraction = 0.5  # the YAML's reason
 model.roi_heads.box_head.input_shape = ShapeSpec(channels=WIDTH, height=7, width=7)
 model.roi_heads.box_head.conv_dims = [WIDTH] * 4
 model.roi_heads.box_head.fc_dims = [256]
@@ -74,7 +75,7 @@ optimizer = L(torch.optim.SGD)(
 )
 
 train = get_config("common/train.py").train
-train.max_iter = 1000
+train.max_iter = 1200
 train.eval_period = 0  # evaluation after the last iteration
 train.checkpointer.period = 100000
 train.device = "cpu"
@@ -84,8 +85,8 @@ train.batch_average = dict(enabled=True, num_batches=50)
 train.norm_analysis_period = 20
 
 lr_multiplier = L(WarmupParamScheduler)(
-    scheduler=L(MultiStepParamScheduler)(values=[1.0, 0.1, 0.01], milestones=[750, 920], num_updates=1000),
-    warmup_length=100 / 1000,
+    scheduler=L(MultiStepParamScheduler)(values=[1.0, 0.1, 0.01], milestones=[900, 1100], num_updates=1200),
+    warmup_length=100 / 1200,
     warmup_method="linear",
     warmup_factor=0.001,
 )
