@@ -55,6 +55,21 @@ def learning_rates(scheduler, max_iter):
     return rates
 
 
+def settings(model):
+    """What a model does beyond its parameters' shapes: input standardisation, frozen weights, anchors, the
+    RPN's and the box head's sampling, proposals and test-time filtering."""
+    rpn, heads = model.proposal_generator, model.roi_heads
+    predictor = heads.box_predictor
+    return {
+        "pixels": (model.pixel_mean.flatten().tolist(), model.pixel_std.flatten().tolist(), model.input_format),
+        "frozen": sorted(name for name, p in model.named_parameters() if not p.requires_grad),
+        "anchors": [a.tolist() for a in rpn.anchor_generator.cell_anchors],
+        "rpn": (rpn.batch_size_per_image, rpn.positive_fraction, rpn.pre_nms_topk, rpn.post_nms_topk, rpn.nms_thresh),
+        "roi_heads": (heads.batch_size_per_image, heads.positive_fraction, heads.num_classes, heads.proposal_append_gt),
+        "test": (predictor.test_score_thresh, predictor.test_nms_thresh, predictor.test_topk_per_image),
+    }
+
+
 @pytest.mark.parametrize("lazy", TWINS)
 def test_the_lazy_model_is_its_yaml_twin(lazy):
     twin, factory = TWINS[lazy]
@@ -68,7 +83,9 @@ def test_the_lazy_model_is_its_yaml_twin(lazy):
         for option, value in factory.options.items():
             assert getattr(layer, option) == value, option
     shapes = {key: value.shape for key, value in model.state_dict().items()}
-    assert shapes == {key: value.shape for key, value in yaml_twin(twin).state_dict().items()}
+    expected_model = yaml_twin(twin)
+    assert shapes == {key: value.shape for key, value in expected_model.state_dict().items()}
+    assert settings(model) == settings(expected_model)
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # no training here
