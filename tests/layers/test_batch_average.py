@@ -19,7 +19,7 @@ from batch_average_nets import (
     parameters,
     pixels,
 )
-from gloo_processes import join_group, leave_group, run_processes
+from gloo_processes import run_processes
 from torch import nn
 
 from sn_detection.layers import (
@@ -202,34 +202,31 @@ def rank_batches(scenario, rank):
     return [torch.randn(shape, generator=generator) + rank for shape in shapes]
 
 
-def _average_in_process(rank, world_size, init_file):
+def _average_in_process(rank):
     """The batch average on each process with that process's batches: SyncSN stores the statistics of every
     process's batches, bit for bit the same on all; SN those of its own (or keeps its own if it saw none)."""
-    join_group(rank, world_size, init_file)
-    try:
-        for scenario in RANK_BATCH_SIZES:
-            model = TwoBranches()
-            before = model.local.running_mean.clone(), model.local.running_var.clone()
-            assert update_batch_average(model, iter(rank_batches(scenario, rank)), num_batches=3) == 3
-            with torch.no_grad():
-                inputs = {r: [model.conv(x).double() for x in rank_batches(scenario, r)] for r in range(world_size)}
-            everyone = pixels([x for r in range(world_size) for x in inputs[r]])
-            assert_close(model.synced.running_mean, everyone.mean(1), msg=scenario)
-            assert_close(model.synced.running_var, everyone.var(1, correction=0), msg=scenario)
-            for statistic in (model.synced.running_mean, model.synced.running_var):
-                on_each = [torch.empty_like(statistic) for _ in range(world_size)]
-                torch.distributed.all_gather(on_each, statistic)
-                assert all(torch.equal(other, on_each[0]) for other in on_each), scenario
-            own = pixels(inputs[rank])
-            if own.shape[1]:
-                assert_close(model.local.running_mean, own.mean(1), msg=scenario)
-                assert_close(model.local.running_var, own.var(1, correction=0), msg=scenario)
-            else:
-                assert torch.equal(model.local.running_mean, before[0]), scenario
-                assert torch.equal(model.local.running_var, before[1]), scenario
-    finally:
-        leave_group()
+    world_size = torch.distributed.get_world_size()
+    for scenario in RANK_BATCH_SIZES:
+        model = TwoBranches()
+        before = model.local.running_mean.clone(), model.local.running_var.clone()
+        assert update_batch_average(model, iter(rank_batches(scenario, rank)), num_batches=3) == 3
+        with torch.no_grad():
+            inputs = {r: [model.conv(x).double() for x in rank_batches(scenario, r)] for r in range(world_size)}
+        everyone = pixels([x for r in range(world_size) for x in inputs[r]])
+        assert_close(model.synced.running_mean, everyone.mean(1), msg=scenario)
+        assert_close(model.synced.running_var, everyone.var(1, correction=0), msg=scenario)
+        for statistic in (model.synced.running_mean, model.synced.running_var):
+            on_each = [torch.empty_like(statistic) for _ in range(world_size)]
+            torch.distributed.all_gather(on_each, statistic)
+            assert all(torch.equal(other, on_each[0]) for other in on_each), scenario
+        own = pixels(inputs[rank])
+        if own.shape[1]:
+            assert_close(model.local.running_mean, own.mean(1), msg=scenario)
+            assert_close(model.local.running_var, own.var(1, correction=0), msg=scenario)
+        else:
+            assert torch.equal(model.local.running_mean, before[0]), scenario
+            assert torch.equal(model.local.running_var, before[1]), scenario
 
 
-def test_several_processes_syncsn_averages_all_batches_others_their_own(tmp_path):
-    run_processes(_average_in_process, (2, str(tmp_path / "init")), nprocs=2)
+def test_several_processes_syncsn_averages_all_batches_others_their_own():
+    run_processes(_average_in_process, (), nprocs=2)

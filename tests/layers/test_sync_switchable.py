@@ -10,7 +10,7 @@ all-reduce, as in detectron2's training), against the SN network trained on the 
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_processes import join_group, leave_group, run_processes
+from gloo_processes import run_processes
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -87,8 +87,7 @@ def train_with_ddp(rank):
     return {"first_output": first_output, "state": net.module.state_dict()}
 
 
-def worker(rank, init_file, result_dir):
-    join_group(rank, WORLD_SIZE, init_file)
+def worker(rank, result_dir):
     results = {}
     for seed, (name, sizes) in enumerate(SPLITS.items()):
         x, grad_y, state = problem(sizes, seed)
@@ -107,13 +106,12 @@ def worker(rank, init_file, result_dir):
     results["batch average"] = (layer.running_mean, layer.running_var)
     results["ddp"] = train_with_ddp(rank)
     torch.save(results, result_dir / f"rank{rank}.pt")
-    leave_group()
 
 
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory):
     directory = tmp_path_factory.mktemp("sync_sn")
-    run_processes(worker, (directory / "init", directory), WORLD_SIZE)
+    run_processes(worker, (directory,), WORLD_SIZE)
     return [torch.load(directory / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
 
 

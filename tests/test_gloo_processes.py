@@ -1,0 +1,43 @@
+"""The harness of the multi-process tests (tests/helpers/gloo_processes.py): the processes share a group
+and leave cleanly, a failure on one rank fails the test with its reason, and a hung collective fails it
+with every process's stack."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_processes import run_processes
+
+
+def _sum_of_ranks(rank):
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    assert total.item() == 1.0
+
+
+def _rank_1_fails(rank):
+    assert rank == 0, "rank 1 refuses"
+
+
+def _rank_1_skips_a_collective(rank):
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))
+    else:
+        time.sleep(60)
+
+
+def test_processes_share_one_group_and_leave_it():
+    run_processes(_sum_of_ranks, (), nprocs=2)
+
+
+def test_a_failing_rank_fails_the_test_with_its_reason():
+    with pytest.raises(Exception, match="rank 1 refuses"):
+        run_processes(_rank_1_fails, (), nprocs=2)
+
+
+def test_a_hung_collective_fails_the_test_and_shows_where(capfd):
+    with pytest.raises(pytest.fail.Exception, match="did not finish in 8 s"):
+        run_processes(_rank_1_skips_a_collective, (), nprocs=2, timeout=8)
+    stacks = capfd.readouterr().err
+    assert "in all_reduce" in stacks and "in _rank_1_skips_a_collective" in stacks
