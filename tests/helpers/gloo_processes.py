@@ -19,27 +19,28 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 def run_processes(function, args, nprocs, timeout=120):
     """``function(rank, *args)`` in ``nprocs`` processes that share one gloo group (the default process
-    group). An exception in one is raised here. Processes still running after ``timeout`` seconds print
-    every thread's stack to stderr (pytest shows it with the failure) and are killed, failing the test, so
-    that a mismatched or hung collective fails one test, saying where, instead of stalling the suite."""
+    group). An exception in one is raised here. Processes still running after ``timeout`` seconds are
+    killed and fail the test with every thread's stack in each, so that a mismatched or hung collective
+    fails one test, saying where, instead of stalling the suite."""
     with tempfile.TemporaryDirectory() as directory:
         workers = mp.spawn(_rank_main, args=(function, args, nprocs, directory), nprocs=nprocs, join=False)
         deadline = time.monotonic() + timeout
         while not workers.join(timeout=1):
             if time.monotonic() > deadline:
-                _dump_stacks_and_kill(workers.processes)
-                pytest.fail(f"{nprocs} processes running {function.__name__} did not finish in {timeout} s")
+                stacks = _stacks_and_kill(workers.processes, directory)
+                pytest.fail(f"{nprocs} processes running {function.__name__} did not finish in {timeout} s\n{stacks}")
 
 
 def _rank_main(rank, function, args, world_size, directory):
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    stacks = open(_stacks_file(directory, rank), "w")  # open for the process's life: faulthandler writes to it
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     dist.init_process_group(
         "gloo", init_method=f"file://{directory}/init", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
     )
     try:
         function(rank, *args)
     except BaseException:
-        # printed now, as the process may not get to report it (it is killed if another rank hangs)
+        # printed now: the process may not get to report it (it is killed if another rank hangs)
         traceback.print_exc()
         raise
     dist.barrier()  # no process leaves while another still talks to it
@@ -52,10 +53,27 @@ def _rank_main(rank, function, args, world_size, directory):
     os._exit(0)
 
 
-def _dump_stacks_and_kill(processes):
-    alive = [process for process in processes if process.is_alive()]
-    for process in alive:
+def _stacks_file(directory, rank):
+    return os.path.join(directory, f"stacks{rank}.txt")
+
+
+def _stacks_and_kill(processes, directory, wait=10):
+    """Every thread's stack in each process still alive, which are then killed."""
+    alive = {rank: process for rank, process in enumerate(processes) if process.is_alive()}
+    for process in alive.values():
         os.kill(process.pid, signal.SIGUSR1)
-    time.sleep(2)  # faulthandler writes from a signal handler; give it time before the kill
-    for process in alive:
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and not all(_read_stacks(directory, rank) for rank in alive):
+        time.sleep(0.1)
+    time.sleep(0.5)  # a started dump finishes within the signal handler
+    for process in alive.values():
         process.kill()
+    return "\n".join(f"rank {rank}:\n{_read_stacks(directory, rank) or 'no stack: still starting'}" for rank in alive)
+
+
+def _read_stacks(directory, rank):
+    try:
+        with open(_stacks_file(directory, rank)) as stacks:
+            return stacks.read()
+    except FileNotFoundError:
+        return ""
