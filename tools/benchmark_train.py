@@ -22,18 +22,19 @@ shared machine hits all of them alike; the table gives each setting's median, it
 lowest and highest ratio within one round ("rounds": the run-to-run spread).
 """
 
-import argparse
 import json
 
 import torch
-from detectron2.config import get_cfg
 from detectron2.data import build_detection_train_loader
 from detectron2.modeling import build_model
 from detectron2.utils.events import EventStorage
 
 from sn_detection import d2
 from sn_detection.data.datasets import register_shapes_datasets
-from sn_detection.engine.timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, range_text, ratio_to
+from sn_detection.engine.launch import load_cfg
+from sn_detection.engine.timing import (
+    WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_benchmark_parser, range_text, ratio_to, timed_norms,
+)  # fmt: skip
 
 NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
 REFERENCE = "GN"
@@ -93,28 +94,17 @@ def print_table(rows):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config-file", default="configs/demo_mask_rcnn_gn.yaml")
-    parser.add_argument("--norms", default="GN,SN,FrozenBN", help="comma-separated norm names; GN is always included")
-    parser.add_argument("--rounds", type=int, default=8, help="timed rounds (after 2 warm-up rounds)")
-    parser.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's choice)")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides")
+    description = __doc__.split("\n\n")[0]
+    parser = norm_benchmark_parser(description, "configs/demo_mask_rcnn_gn.yaml", "GN,SN,FrozenBN", REFERENCE, 8)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     register_shapes_datasets()
-    cfg = get_cfg()
-    d2.add_sn_config(cfg)
-    cfg.merge_from_file(args.config_file)
     fixed = ["DATALOADER.NUM_WORKERS", "0", "SOLVER.BASE_LR", "0.0", "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0"]
-    cfg.merge_from_list(fixed + args.opts)
-    if cfg.MODEL.DEVICE.startswith("cuda") and not torch.cuda.is_available():
-        cfg.MODEL.DEVICE = "cpu"
-    cfg.freeze()
+    cfg = load_cfg(args.config_file, fixed + args.opts)
 
-    norms = [REFERENCE] + [norm for norm in args.norms.split(",") if norm and norm != REFERENCE]
+    norms = timed_norms(args.norms, REFERENCE)
     device = torch.device(cfg.MODEL.DEVICE)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, device {gpu or 'cpu'}")

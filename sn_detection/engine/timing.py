@@ -1,6 +1,8 @@
 """Timing candidates side by side for the benchmark tools: interleaved rounds, so that a load change on a
-shared machine hits every candidate alike, and ratios with their spread over the rounds."""
+shared machine hits every candidate alike, and ratios with their spread over the rounds; and the options
+of the tools that time a model per norm."""
 
+import argparse
 import statistics
 import time
 
@@ -50,3 +52,23 @@ def ratio_to(times, reference):
 def range_text(ratio_range) -> str:
     """A ratio range as the tables print it: ``low-high``."""
     return "{:.2f}-{:.2f}".format(*ratio_range)
+
+
+def norm_benchmark_parser(description: str, config_file: str, norms: str, reference: str, rounds: int):
+    """The options of the tools that time a model per norm: the config, the norms (``reference``: always
+    timed, first), the timed rounds, CPU threads, a JSON file for the rows, KEY VALUE config overrides."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config-file", default=config_file)
+    parser.add_argument("--norms", default=norms, help=f"comma-separated norm names; {reference} is always included")
+    parser.add_argument(
+        "--rounds", type=int, default=rounds, help=f"timed rounds (after {WARMUP_ROUNDS} warm-up rounds)"
+    )
+    parser.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's choice)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides")
+    return parser
+
+
+def timed_norms(norms: str, reference: str) -> list:
+    """The norms of a ``--norms`` value, ``reference`` first, each once."""
+    return list(dict.fromkeys([reference, *filter(None, norms.split(","))]))

@@ -94,6 +94,11 @@ def build_schedule(cfg: CfgNode, optimizer) -> LRMultiplier:
     return LRMultiplier(optimizer, multiplier, max_iter)
 
 
+def build_trainer(cfg: CfgNode, model: torch.nn.Module, optimizer, data_loader=None) -> SimpleTrainer:
+    """detectron2's trainer of one pretraining step, in mixed precision with PRETRAIN.AMP."""
+    return (AMPTrainer if cfg.PRETRAIN.AMP else SimpleTrainer)(model, data_loader, optimizer)
+
+
 def train_loader(cfg: CfgNode, images: ClassificationImages, start_iter: int) -> DataLoader:
     """This process's batches, from iteration ``start_iter`` on (``data``: resumed exactly)."""
     batch = per_process_batch(cfg)
@@ -158,7 +163,7 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
     optimizer = build_optimizer(cfg, model)
     on_cpu = torch.device(cfg.MODEL.DEVICE).type == "cpu"
     ddp = create_ddp_model(model, broadcast_buffers=False, **({"device_ids": None} if on_cpu else {}))
-    trainer = (AMPTrainer if cfg.PRETRAIN.AMP else SimpleTrainer)(ddp, None, optimizer)
+    trainer = build_trainer(cfg, ddp, optimizer)
     checkpointer = DetectionCheckpointer(ddp, output_dir, trainer=trainer)
     schedule = build_schedule(cfg, optimizer)
     evaluation = Evaluation(cfg, ddp, val_images)

@@ -1,12 +1,14 @@
 """The benchmarks' side-by-side timing: every candidate once per round, warm-up rounds dropped, ratios of
-medians and their spread over the rounds."""
+medians and their spread over the rounds; the model benchmarks' shared options and norm list."""
 
 import time
 
 import pytest
 import torch
 
-from sn_detection.engine.timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, range_text, ratio_to
+from sn_detection.engine.timing import (
+    WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_benchmark_parser, range_text, ratio_to, timed_norms,
+)  # fmt: skip
 
 
 def test_rounds_interleave_candidates_and_drop_the_warm_up():
@@ -38,3 +40,16 @@ def test_ratios_are_of_medians_with_the_per_round_range():
     assert summary["sn"]["seconds"] == 2.0 and summary["sn"]["ratio"] == 1.0
     assert summary["sn"]["ratio_range"] == pytest.approx([1.0, 1.5])
     assert range_text(summary["sn"]["ratio_range"]) == "1.00-1.50"
+
+
+def test_the_reference_norm_is_timed_first_and_every_norm_once():
+    assert timed_norms("SN,GN,,SN", "GN") == ["GN", "SN"]
+    assert timed_norms("DN", "BN") == ["BN", "DN"]
+
+
+def test_benchmark_options_keep_config_overrides_after_the_tools_own():
+    parser = norm_benchmark_parser("t", "a.yaml", "GN,SN", "GN", 8)
+    parser.add_argument("--devices", type=int, default=8)
+    args = parser.parse_args(["--norms", "DN", "--devices", "2", "PRETRAIN.AMP", "True"])
+    assert (args.config_file, args.norms, args.rounds, args.devices) == ("a.yaml", "DN", 8, 2)
+    assert args.opts == ["PRETRAIN.AMP", "True"] and args.threads is None and args.json is None

@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""What pretraining a backbone costs per norm: one training step of tools/pretrain_backbone.py, and the
+hours an ImageNet epoch would take at that speed.
+
+Not a test: a measurement to run by hand, on the GPUs that will pretrain (or on the CPU):
+
+    python tools/benchmark_pretrain.py [--config-file configs/mask_rcnn_sn_2x.yaml] [--norms BN,GN,SN]
+        [--devices 8] [--classes 1000] [--epoch-images 1281167] [--rounds 5] [--threads N] [--json PATH]
+        [KEY VALUE ...]
+
+Every setting puts its norm in MODEL.RESNETS.NORM of the config's ResNet under pretraining's classifier,
+optimizer and detectron2 trainer (mixed precision with PRETRAIN.AMP True). A step is the trainer's
+``run_step`` on a pre-made batch of PRETRAIN.IMS_PER_BATCH / --devices random images of
+PRETRAIN.IMAGE_SIZE px, what each of --devices processes computes per iteration, at learning rate 0 so
+that every network stays at its initialisation. Not included: data loading (JPEG decoding, crops), DDP's
+all-reduce of the gradients and the all-gathers of SyncSN and SyncBN (PRETRAIN.SYNC_NORMS), which need
+several processes. So the hours per epoch, --epoch-images / IMS_PER_BATCH iterations of the median
+step, are what the devices' computation alone needs: a lower bound for a real run, whose log prints its
+own ETA. BN is the reference; settings are timed in interleaved rounds (two warm-up rounds first), with
+the medians, their ratio to BN, and the lowest and highest ratio within one round.
+"""
+
+import itertools
+import json
+
+import torch
+from detectron2.utils.events import EventStorage
+
+from sn_detection.engine.launch import load_cfg
+from sn_detection.engine.timing import (
+    WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_benchmark_parser, range_text, ratio_to, timed_norms,
+)  # fmt: skip
+from sn_detection.pretraining.model import BackboneClassifier
+from sn_detection.pretraining.train import build_optimizer, build_trainer
+
+REFERENCE = "BN"
+IMAGENET_TRAIN_IMAGES = 1281167
+
+
+def setting_cfg(base_cfg, norm):
+    cfg = base_cfg.clone()
+    cfg.defrost()
+    cfg.MODEL.RESNETS.NORM = norm
+    cfg.freeze()
+    return cfg
+
+
+def random_batch(cfg, images: int, classes: int):
+    """A batch as pretraining's loader gives it: uint8 images in host memory, class indices."""
+    generator = torch.Generator().manual_seed(0)
+    size = cfg.PRETRAIN.IMAGE_SIZE
+    pixels = torch.randint(0, 256, (images, 3, size, size), dtype=torch.uint8, generator=generator)
+    return pixels, torch.randint(0, classes, (images,), generator=generator)
+
+
+class Setting:
+    """One norm's classifier in pretraining's trainer, stepping on the same batch over and over."""
+
+    def __init__(self, cfg, batch, classes: int):
+        torch.manual_seed(cfg.SEED)
+        self.device = torch.device(cfg.MODEL.DEVICE)
+        model = BackboneClassifier(cfg, classes).to(self.device)
+        self.trainer = build_trainer(cfg, model, build_optimizer(cfg, model), itertools.repeat(batch))
+        self.storage = EventStorage()
+
+    def train_step(self):
+        with self.storage:
+            return device_seconds(self.trainer.run_step, self.device)
+
+
+def epoch_hours(step_seconds: float, epoch_images: int, ims_per_batch: int) -> float:
+    """Hours of ``epoch_images / ims_per_batch`` iterations of ``step_seconds`` each."""
+    return epoch_images / ims_per_batch * step_seconds / 3600
+
+
+def print_table(rows, devices):
+    hours = f"h/epoch ({devices} dev.)"
+    header = f"{'norm':8} {'step s':>8} {'x BN':>6} {'rounds':>11} {'images/s/dev.':>13} {hours:>18}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(
+            f"{row['norm']:8} {row['step_seconds']:8.3f} {row['step_vs_bn']:6.2f} "
+            f"{range_text(row['step_vs_bn_range']):>11} {row['images_per_second_per_device']:13.1f} "
+            f"{row['epoch_hours']:18.2f}"
+        )
+
+
+def parse_args():
+    description = __doc__.split("\n\n")[0]
+    parser = norm_benchmark_parser(description, "configs/mask_rcnn_sn_2x.yaml", "BN,GN,SN", REFERENCE, 5)
+    parser.add_argument("--devices", type=int, default=8, help="processes that share PRETRAIN.IMS_PER_BATCH")
+    parser.add_argument("--classes", type=int, default=1000, help="outputs of the classifier")
+    parser.add_argument("--epoch-images", type=int, default=IMAGENET_TRAIN_IMAGES, help="training images per epoch")
+    args = parser.parse_args()
+    if args.devices < 1 or args.rounds < 1:
+        parser.error(f"--devices ({args.devices}) and --rounds ({args.rounds}) must be at least 1")
+    return args
+
+
+def main():
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = load_cfg(args.config_file, ["PRETRAIN.BASE_LR", "0.0", *args.opts])
+    ims_per_batch = cfg.PRETRAIN.IMS_PER_BATCH
+    if ims_per_batch % args.devices:
+        raise SystemExit(f"PRETRAIN.IMS_PER_BATCH={ims_per_batch} is not divisible by --devices {args.devices}")
+    per_device = ims_per_batch // args.devices
+
+    norms = timed_norms(args.norms, REFERENCE)
+    device = torch.device(cfg.MODEL.DEVICE)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, device {gpu or 'cpu'}; "
+        f"ResNet-{cfg.MODEL.RESNETS.DEPTH}, {cfg.PRETRAIN.IMAGE_SIZE} px, {per_device} images per step "
+        f"({ims_per_batch} over {args.devices} devices), {'AMP' if cfg.PRETRAIN.AMP else 'fp32'}"
+    )
+    batch = random_batch(cfg, per_device, args.classes)
+    settings = {norm: Setting(setting_cfg(cfg, norm), batch, args.classes) for norm in norms}
+    steps = interleaved_seconds(settings, range(args.rounds + WARMUP_ROUNDS), lambda s, _: s.train_step())
+    summary = ratio_to(steps, REFERENCE)
+
+    rows = [
+        {
+            "norm": norm, "device": device.type, "gpu": gpu, "config": args.config_file,
+            "depth": cfg.MODEL.RESNETS.DEPTH, "image_size": cfg.PRETRAIN.IMAGE_SIZE, "amp": cfg.PRETRAIN.AMP,
+            "ims_per_batch": ims_per_batch, "devices": args.devices, "images_per_step": per_device,
+            "step_seconds": summary[norm]["seconds"], "step_vs_bn": summary[norm]["ratio"],
+            "step_vs_bn_range": summary[norm]["ratio_range"],
+            "images_per_second_per_device": per_device / summary[norm]["seconds"],
+            "epoch_images": args.epoch_images,
+            "epoch_hours": epoch_hours(summary[norm]["seconds"], args.epoch_images, ims_per_batch),
+        }
+        for norm in norms
+    ]  # fmt: skip
+    print_table(rows, args.devices)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
