@@ -2,7 +2,7 @@
 layers with their options as plain arguments; each is the twin of a yaml config (the same state-dict keys
 and shapes, the same optimizer settings and learning rate at every iteration); and
 tools/lazyconfig_train_net.py trains one a step, with the batch average and the norm analysis, and
-evaluates it."""
+evaluates it; mixed precision off CUDA is refused, naming the key."""
 
 import json
 import os
@@ -18,6 +18,8 @@ from detectron2.solver import LRMultiplier, build_lr_scheduler
 
 from sn_detection import model_zoo
 from sn_detection.d2 import add_sn_config
+from sn_detection.data.datasets import register_shapes_datasets
+from sn_detection.engine import lazy
 from sn_detection.layers import NORM_CLASSES, NormFactory
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,3 +164,12 @@ def test_the_tool_trains_with_the_hooks_and_evaluates(tmp_path):
         logged = [json.loads(line) for line in f]
     assert any(key.startswith("norm/SN/box_head/") for row in logged for key in row)
     assert (output / "model_final.pth").is_file() and (output / "norm_evolution_SN.png").is_file()
+
+
+def test_mixed_precision_off_cuda_is_refused_naming_the_key(tmp_path):
+    register_shapes_datasets()
+    cfg = LazyConfig.load(str(tiny_demo(tmp_path / "run")))
+    cfg.train.device = "cpu"
+    cfg.train.amp.enabled = True
+    with pytest.raises(ValueError, match="train.amp.enabled=True needs the model on a CUDA device"):
+        lazy.train(cfg, resume=False)

@@ -1,6 +1,6 @@
 """All the glue with detectron2: config keys and their validation, ``SNMetaArch`` (which builds our norms
 with the config's options: see ``meta_arch``), the optimizer's rules, the checked checkpointer, component
-names, and the hooks (batch average, norm analysis).
+names, the hooks (batch average, norm analysis), and the trainer of one step (DDP, AMP).
 
 Importing ``sn_detection`` registers ``SNMetaArch`` in detectron2's ``META_ARCH_REGISTRY``.
 """
@@ -9,16 +9,19 @@ from .checkpointer import CheckedCheckpointer
 from .config import add_sn_config, norm_factory_from_cfg, valid_norm_names, validate_sn_config
 from .meta_arch import SNMetaArch, norm_layer, resolve_norms
 from .optimizer import build_optimizer, get_optimizer_params
+from .trainers import ddp_model, step_trainer
 
 __all__ = [
     "CheckedCheckpointer",
     "SNMetaArch",
     "add_sn_config",
     "build_optimizer",
+    "ddp_model",
     "get_optimizer_params",
     "norm_factory_from_cfg",
     "norm_layer",
     "resolve_norms",
+    "step_trainer",
     "valid_norm_names",
     "validate_sn_config",
 ]

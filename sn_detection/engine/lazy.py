@@ -23,12 +23,8 @@ import copy
 import logging
 from typing import Optional, Sequence
 
-import torch
 from detectron2.config import LazyConfig, instantiate
 from detectron2.engine import (
-    AMPTrainer,
-    SimpleTrainer,
-    create_ddp_model,
     default_argument_parser,
     default_setup,
     default_writers,
@@ -39,7 +35,7 @@ from detectron2.evaluation import inference_on_dataset, print_csv_format
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
-from ..d2 import CheckedCheckpointer
+from ..d2 import CheckedCheckpointer, ddp_model, step_trainer
 from ..d2.hooks import batch_average_hook, insert_before_evaluation
 from ..d2.norm_analysis import norm_analysis_hook
 from ..data.datasets import register_shapes_datasets
@@ -93,9 +89,8 @@ def train(cfg, resume: bool) -> None:
     cfg.optimizer.params.model = model
     optimizer = instantiate(cfg.optimizer)
     loader = instantiate(cfg.dataloader.train)
-    on_cpu = torch.device(cfg.train.device).type == "cpu"
-    model = create_ddp_model(model, **cfg.train.ddp, **({"device_ids": None} if on_cpu else {}))
-    trainer = (AMPTrainer if cfg.train.amp.enabled else SimpleTrainer)(model, loader, optimizer)
+    trainer = step_trainer(model, loader, optimizer, cfg.train.amp.enabled, "train.amp.enabled", **cfg.train.ddp)
+    model = trainer.model
     checkpointer = CheckedCheckpointer(model, cfg.train.output_dir, trainer=trainer)
     trainer.register_hooks(training_hooks(cfg, model, trainer, checkpointer))
     checkpointer.resume_or_load(cfg.train.init_checkpoint, resume=resume)
@@ -113,7 +108,7 @@ def train_or_evaluate(args) -> Optional[dict]:
     if args.eval_only:
         model = instantiate(cfg.model)
         model.to(cfg.train.device)
-        model = create_ddp_model(model)
+        model = ddp_model(model)
         CheckedCheckpointer(model).load(cfg.train.init_checkpoint)
         return evaluate(cfg, model)
     train(cfg, args.resume)

@@ -15,9 +15,8 @@ import logging
 import os
 import weakref
 
-import torch
 from detectron2.data import DatasetCatalog, MetadataCatalog
-from detectron2.engine import AMPTrainer, DefaultTrainer, SimpleTrainer, TrainerBase, create_ddp_model
+from detectron2.engine import DefaultTrainer, TrainerBase
 from detectron2.evaluation import COCOEvaluator
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
@@ -34,9 +33,10 @@ logger = logging.getLogger(__name__)
 class Trainer(DefaultTrainer):
     def __init__(self, cfg):
         """A fork of ``DefaultTrainer.__init__`` as it is in detectron2 main from 2024-04 (sal-detectron2
-        0.7.2) to 2026-11, with two changes: on the CPU, DistributedDataParallel gets no ``device_ids``
-        (detectron2's ``create_ddp_model`` passes the local rank, which DDP rejects for a CPU model, and
-        ``__init__`` offers no seam to change that), and the checkpointer is a ``CheckedCheckpointer``.
+        0.7.2) to 2026-11, with two changes: the model in DDP and the trainer of one step come from
+        ``d2.step_trainer`` (on the CPU DDP gets no ``device_ids``, which detectron2's ``create_ddp_model``
+        sets and ``__init__`` offers no seam to change; AMP is refused off CUDA), and the checkpointer is a
+        ``CheckedCheckpointer``.
         Re-read upstream's ``__init__`` when updating detectron2."""
         TrainerBase.__init__(self)
         if not logging.getLogger("detectron2").isEnabledFor(logging.INFO):
@@ -45,9 +45,10 @@ class Trainer(DefaultTrainer):
         model = self.build_model(cfg)
         optimizer = self.build_optimizer(cfg, model)
         data_loader = self.build_train_loader(cfg)
-        on_cpu = torch.device(cfg.MODEL.DEVICE).type == "cpu"
-        model = create_ddp_model(model, broadcast_buffers=False, **({"device_ids": None} if on_cpu else {}))
-        self._trainer = (AMPTrainer if cfg.SOLVER.AMP.ENABLED else SimpleTrainer)(model, data_loader, optimizer)
+        self._trainer = d2.step_trainer(
+            model, data_loader, optimizer, cfg.SOLVER.AMP.ENABLED, "SOLVER.AMP.ENABLED", broadcast_buffers=False
+        )
+        model = self._trainer.model
         self.scheduler = self.build_lr_scheduler(cfg, optimizer)
         self.checkpointer = d2.CheckedCheckpointer(model, cfg.OUTPUT_DIR, trainer=weakref.proxy(self))
         self.start_iter = 0

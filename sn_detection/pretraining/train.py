@@ -38,7 +38,7 @@ import torch
 from detectron2.checkpoint import DetectionCheckpointer
 from detectron2.config import CfgNode
 from detectron2.data.samplers import TrainingSampler
-from detectron2.engine import AMPTrainer, SimpleTrainer, create_ddp_model, hooks
+from detectron2.engine import SimpleTrainer, hooks
 from detectron2.solver import LRMultiplier, WarmupParamScheduler
 from detectron2.utils import comm
 from detectron2.utils.env import seed_all_rng
@@ -50,6 +50,7 @@ from ..conversion import InputConvention
 from ..conversion.files import write_checkpoint
 from ..d2.hooks import batch_average_hook, insert_before_evaluation
 from ..d2.optimizer import get_optimizer_params
+from ..d2.trainers import step_trainer
 from ..data.cache import ensure_folder
 from .data import ClassificationImages, SeededStream, collate, data_folder, shard
 from .model import BackboneClassifier, backbone_state, input_convention
@@ -95,8 +96,8 @@ def build_schedule(cfg: CfgNode, optimizer) -> LRMultiplier:
 
 
 def build_trainer(cfg: CfgNode, model: torch.nn.Module, optimizer, data_loader=None) -> SimpleTrainer:
-    """detectron2's trainer of one pretraining step, in mixed precision with PRETRAIN.AMP."""
-    return (AMPTrainer if cfg.PRETRAIN.AMP else SimpleTrainer)(model, data_loader, optimizer)
+    """detectron2's trainer of one pretraining step, of ``model`` in DDP, in mixed precision with PRETRAIN.AMP."""
+    return step_trainer(model, data_loader, optimizer, cfg.PRETRAIN.AMP, "PRETRAIN.AMP", broadcast_buffers=False)
 
 
 def train_loader(cfg: CfgNode, images: ClassificationImages, start_iter: int) -> DataLoader:
@@ -161,9 +162,8 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
     seed_all_rng(None if cfg.SEED < 0 else cfg.SEED + comm.get_rank())
     model = BackboneClassifier(cfg, len(train_images.classes)).to(cfg.MODEL.DEVICE)
     optimizer = build_optimizer(cfg, model)
-    on_cpu = torch.device(cfg.MODEL.DEVICE).type == "cpu"
-    ddp = create_ddp_model(model, broadcast_buffers=False, **({"device_ids": None} if on_cpu else {}))
-    trainer = build_trainer(cfg, ddp, optimizer)
+    trainer = build_trainer(cfg, model, optimizer)
+    ddp = trainer.model
     checkpointer = DetectionCheckpointer(ddp, output_dir, trainer=trainer)
     schedule = build_schedule(cfg, optimizer)
     evaluation = Evaluation(cfg, ddp, val_images)

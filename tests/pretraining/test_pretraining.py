@@ -16,6 +16,7 @@ from detectron2.modeling import build_model
 from PIL import Image
 from tiny_pretraining import REPO, tiny_cfg, tiny_pretraining
 
+from sn_detection.d2 import trainers
 from sn_detection.pretraining import BackboneClassifier, cached_backbone, pretrain
 from sn_detection.pretraining import train as pretraining_train
 from sn_detection.pretraining.train import BACKBONE_FILE, RESULTS_FILE
@@ -62,7 +63,7 @@ class Interrupted(Exception):
 def test_a_resumed_pretraining_equals_an_uninterrupted_one(tiny_classification_set, tmp_path, monkeypatch):
     whole = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "whole"))
 
-    class InterruptedTrainer(pretraining_train.SimpleTrainer):
+    class InterruptedTrainer(trainers.SimpleTrainer):
         def run_step(self):
             if self.iter == 3:  # after the checkpoint of iteration 1 (period 2) and iteration 2's step
                 raise Interrupted
@@ -70,7 +71,7 @@ def test_a_resumed_pretraining_equals_an_uninterrupted_one(tiny_classification_s
 
     cfg = tiny_cfg(tiny_classification_set, tmp_path / "resumed")
     with monkeypatch.context() as patch:
-        patch.setattr(pretraining_train, "SimpleTrainer", InterruptedTrainer)
+        patch.setattr(trainers, "SimpleTrainer", InterruptedTrainer)
         with pytest.raises(Interrupted):
             pretrain(cfg)
     resumed = pretrain(cfg, resume=True)
@@ -147,3 +148,9 @@ def test_the_cached_backbone_is_made_once(tiny_classification_set, tmp_path, mon
         f.write(b"damage")
     assert cached_backbone(cfg) == path and len(calls) == 2  # damaged: made again
     backbone_tensors(path)
+
+
+def test_mixed_precision_off_cuda_is_refused_naming_the_key(tiny_classification_set, tmp_path):
+    cfg = tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.AMP", True, "MODEL.DEVICE", "cpu")
+    with pytest.raises(ValueError, match="PRETRAIN.AMP=True needs the model on a CUDA device"):
+        pretrain(cfg)

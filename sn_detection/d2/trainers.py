@@ -1,0 +1,32 @@
+"""The model in DDP (``ddp_model``) under detectron2's SimpleTrainer, or its AMPTrainer for mixed
+precision (``step_trainer``), as every training path here needs them (tools/train_net.py's trainer, the
+LazyConfig trainer, pretraining).
+
+detectron2's ``create_ddp_model`` gives DDP the local rank as device id, which DDP rejects for a model
+on the CPU: there it gets none. detectron2's AMPTrainer casts to float16 under CUDA's autocast only: it
+fails at the first step on a machine without CUDA, and does not autocast a model on the CPU on a machine
+with CUDA. So mixed precision for a model that is not on CUDA is refused, naming the config key.
+"""
+
+from __future__ import annotations
+
+import torch
+from detectron2.engine import AMPTrainer, SimpleTrainer, create_ddp_model
+
+
+def ddp_model(model: torch.nn.Module, **ddp_options) -> torch.nn.Module:
+    """``model`` in DistributedDataParallel with ``ddp_options`` when there are several processes."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    return create_ddp_model(model, **ddp_options, **({"device_ids": None} if on_cpu else {}))
+
+
+def step_trainer(model: torch.nn.Module, data_loader, optimizer, amp: bool, amp_key: str, **ddp_options) -> SimpleTrainer:
+    """The trainer of one step of ``ddp_model(model, **ddp_options)``, its ``model``: AMPTrainer if
+    ``amp``, the value of the config key ``amp_key``, else SimpleTrainer."""
+    device = next(model.parameters()).device
+    if amp and device.type != "cuda":
+        raise ValueError(
+            f"{amp_key}=True needs the model on a CUDA device (detectron2's AMPTrainer autocasts on CUDA "
+            f"only), but it is on {device}; set {amp_key} False to train in float32"
+        )
+    return (AMPTrainer if amp else SimpleTrainer)(ddp_model(model, **ddp_options), data_loader, optimizer)
