@@ -17,7 +17,8 @@ and ``MODEL.SN.META_ARCHITECTURE``, the meta-architecture that ``MODEL.META_ARCH
 builds with those options (see ``meta_arch``). ``SOLVER.GATE_WEIGHT_DECAY`` and ``SOLVER.GATE_LR_FACTOR``
 apply to the gating parameters (SN's logits, DN's gates, MN's and MGN's gate), see ``optimizer``;
 ``TEST.BATCH_AVERAGE`` configures the batch-average hook; ``TEST.NORM_ANALYSIS.PERIOD`` the logging of
-what the learned norms chose (``norm_analysis``; 0: off). The defaults are the layers' own defaults, the
+what the learned norms chose (``norm_analysis``; 0: off); ``PRETRAIN`` the classification pretraining
+of the config's ResNet (``sn_detection.pretraining``). The defaults are the layers' own defaults, the
 papers' settings.
 
 ``validate_sn_config(cfg)`` checks the norm names of every ``MODEL.*.NORM`` key, these keys' values (a
@@ -136,10 +137,33 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _is_area_range(value) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) == 2 and all(map(_is_number, value)) and 0 < value[0] <= value[1] <= 1
+
+
+_NUMBER_AT_LEAST_0 = (lambda v: _is_number(v) and v >= 0, "a number >= 0")
+_INT_AT_LEAST_0 = (lambda v: _is_int(v) and v >= 0, "an int >= 0")
+_INT_AT_LEAST_1 = (lambda v: _is_int(v) and v >= 1, "an int >= 1")
+
 # Keys that are no layer option: key -> (whether a value is valid, the valid values in words).
-_SOLVER_RULES = {
-    "SOLVER.GATE_WEIGHT_DECAY": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
-    "SOLVER.GATE_LR_FACTOR": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+_KEY_RULES = {
+    "SOLVER.GATE_WEIGHT_DECAY": _NUMBER_AT_LEAST_0,
+    "SOLVER.GATE_LR_FACTOR": _NUMBER_AT_LEAST_0,
+    "PRETRAIN.DATA": (lambda v: isinstance(v, str) and v != "", "'embedded' or an ImageFolder directory"),
+    "PRETRAIN.IMAGE_SIZE": _INT_AT_LEAST_1,
+    "PRETRAIN.CROP_AREA": (_is_area_range, "(low, high) with 0 < low <= high <= 1"),
+    "PRETRAIN.IMS_PER_BATCH": _INT_AT_LEAST_1,
+    "PRETRAIN.MAX_ITER": _INT_AT_LEAST_1,
+    "PRETRAIN.BASE_LR": _NUMBER_AT_LEAST_0,
+    "PRETRAIN.WARMUP_ITERS": _INT_AT_LEAST_0,
+    "PRETRAIN.MOMENTUM": (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "PRETRAIN.WEIGHT_DECAY": _NUMBER_AT_LEAST_0,
+    "PRETRAIN.GATE_LR_FACTOR": _NUMBER_AT_LEAST_0,
+    "PRETRAIN.LABEL_SMOOTHING": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "PRETRAIN.BATCH_AVERAGE_BATCHES": _INT_AT_LEAST_0,
+    "PRETRAIN.NUM_WORKERS": _INT_AT_LEAST_0,
+    "PRETRAIN.EVAL_PERIOD": _INT_AT_LEAST_0,
+    "PRETRAIN.CHECKPOINT_PERIOD": _INT_AT_LEAST_1,
 }
 
 
@@ -155,7 +179,7 @@ def validate_sn_config(cfg: CN) -> None:
         rules = norm_class(name).option_rules
         for option, key in option_keys(name).items():
             _check(key, _value(cfg, key), rules[option].holds, rules[option].text)
-    for key, (is_valid, valid_values) in _SOLVER_RULES.items():
+    for key, (is_valid, valid_values) in _KEY_RULES.items():
         _check(key, _value(cfg, key), is_valid, valid_values)
     if cfg.TEST.BATCH_AVERAGE.ENABLED:
         key = "TEST.BATCH_AVERAGE.NUM_BATCHES"

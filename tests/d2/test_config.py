@@ -28,6 +28,23 @@ OUT_OF_RANGE = [
     ("MODEL.SN.DN_INIT_GROUPS", 0, "an int >= 1"),
     ("SOLVER.GATE_LR_FACTOR", -1.0, "a number >= 0"),
     ("SOLVER.GATE_WEIGHT_DECAY", -1e-4, "a number >= 0"),
+    ("PRETRAIN.DATA", "", "'embedded' or an ImageFolder directory"),
+    ("PRETRAIN.IMAGE_SIZE", 0, "an int >= 1"),
+    ("PRETRAIN.CROP_AREA", (0.5, 0.2), "(low, high) with 0 < low <= high <= 1"),
+    ("PRETRAIN.CROP_AREA", (0.0, 1.0), "(low, high) with 0 < low <= high <= 1"),
+    ("PRETRAIN.CROP_AREA", (0.08, 1.5), "(low, high) with 0 < low <= high <= 1"),
+    ("PRETRAIN.IMS_PER_BATCH", 0, "an int >= 1"),
+    ("PRETRAIN.MAX_ITER", 0, "an int >= 1"),
+    ("PRETRAIN.BASE_LR", -0.1, "a number >= 0"),
+    ("PRETRAIN.WARMUP_ITERS", -1, "an int >= 0"),
+    ("PRETRAIN.MOMENTUM", 1.0, "a number in [0, 1)"),
+    ("PRETRAIN.WEIGHT_DECAY", -1e-4, "a number >= 0"),
+    ("PRETRAIN.GATE_LR_FACTOR", -1.0, "a number >= 0"),
+    ("PRETRAIN.LABEL_SMOOTHING", 1.5, "a number in [0, 1]"),
+    ("PRETRAIN.BATCH_AVERAGE_BATCHES", -2, "an int >= 0"),
+    ("PRETRAIN.NUM_WORKERS", -1, "an int >= 0"),
+    ("PRETRAIN.EVAL_PERIOD", -1, "an int >= 0"),
+    ("PRETRAIN.CHECKPOINT_PERIOD", 0, "an int >= 1"),
 ]
 
 

@@ -82,14 +82,20 @@ def test_a_resumed_pretraining_equals_an_uninterrupted_one(tiny_classification_s
     assert all(torch.equal(torch.as_tensor(first[key]), torch.as_tensor(second[key])) for key in first)
 
 
-def run_tool(*args):
+def run_tool(*args, succeeds=True):
     result = subprocess.run(
         [sys.executable, os.path.join(REPO, "tools", "pretrain_backbone.py"), "--config-file",
          os.path.join(REPO, "configs", "demo_compare_norms.yaml"), *args],
         cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert (result.returncode == 0) == succeeds, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout + result.stderr
+
+
+def test_the_tool_refuses_a_bad_value_before_writing_anything(tmp_path):
+    output = run_tool("PRETRAIN.OUTPUT_DIR", str(tmp_path / "out"), "PRETRAIN.CROP_AREA", "(0.5, 0.2)", succeeds=False)
+    assert "PRETRAIN.CROP_AREA=(0.5, 0.2) is invalid: it must be (low, high) with 0 < low <= high <= 1" in output
+    assert not (tmp_path / "out").exists()
 
 
 def test_two_processes_with_sync_sn_equal_one_process_on_the_concatenated_batch(tiny_classification_set, tmp_path):
