@@ -4,6 +4,10 @@ SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 .PHONY: env demo test
 
+# The cached environments serve every checkout on the machine, and their editable install points at the
+# last one set up: the targets import this checkout's package whichever that is.
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+
 env:
 	tools/setup_env.sh
 
