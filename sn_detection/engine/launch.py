@@ -1,4 +1,5 @@
-"""Config set-up and the per-process function of tools/train_net.py (``train_net``)."""
+"""Config set-up, the per-process function of tools/train_net.py (``train_net``), and the start of a
+tool's processes."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import logging
 
 import torch
 from detectron2.config import get_cfg
-from detectron2.engine import default_setup
+from detectron2.engine import default_setup, launch
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
@@ -29,6 +30,15 @@ def load_cfg(config_file: str, opts: list):
         cfg.MODEL.DEVICE = "cpu"
     cfg.freeze()
     return cfg
+
+
+def launch_processes(function, args):
+    """``function(args)`` in each process that detectron2's arguments ask for (--num-gpus, --num-machines,
+    --machine-rank, --dist-url)."""
+    return launch(
+        function, args.num_gpus, num_machines=args.num_machines, machine_rank=args.machine_rank,
+        dist_url=args.dist_url, args=(args,),
+    )  # fmt: skip
 
 
 def setup_cfg(args):

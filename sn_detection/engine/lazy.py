@@ -24,13 +24,7 @@ import logging
 from typing import Optional, Sequence
 
 from detectron2.config import LazyConfig, instantiate
-from detectron2.engine import (
-    default_argument_parser,
-    default_setup,
-    default_writers,
-    hooks,
-    launch,
-)
+from detectron2.engine import default_argument_parser, default_setup, default_writers, hooks
 from detectron2.evaluation import inference_on_dataset, print_csv_format
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
@@ -39,6 +33,7 @@ from ..d2 import CheckedCheckpointer, ddp_model, step_trainer
 from ..d2.hooks import batch_average_hook, insert_before_evaluation
 from ..d2.norm_analysis import norm_analysis_hook
 from ..data.datasets import register_shapes_datasets
+from .launch import launch_processes
 from .trainer import write_results
 
 logger = logging.getLogger(__name__)
@@ -117,11 +112,4 @@ def train_or_evaluate(args) -> Optional[dict]:
 def main(argv: Optional[Sequence[str]] = None):
     """Parse detectron2's training arguments (overrides as key=value) and run in K processes."""
     args = default_argument_parser().parse_args(argv)
-    return launch(
-        train_or_evaluate,
-        args.num_gpus,
-        num_machines=args.num_machines,
-        machine_rank=args.machine_rank,
-        dist_url=args.dist_url,
-        args=(args,),
-    )
+    return launch_processes(train_or_evaluate, args)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from detectron2.engine import default_argument_parser, default_setup, launch
+from detectron2.engine import default_argument_parser, default_setup
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
 from ..pretraining import cached_backbone, pretrain, report
-from .launch import load_cfg
+from .launch import launch_processes, load_cfg
 
 
 def pretrain_in_process(args) -> dict:
@@ -46,7 +46,4 @@ def main(argv: Optional[Sequence[str]] = None):
         path = cached_backbone(load_cfg(args.config_file, args.opts))
         print(path)
         return path
-    return launch(
-        pretrain_in_process, args.num_gpus, num_machines=args.num_machines, machine_rank=args.machine_rank,
-        dist_url=args.dist_url, args=(args,),
-    )  # fmt: skip
+    return launch_processes(pretrain_in_process, args)

@@ -9,22 +9,15 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from detectron2.engine import default_argument_parser, launch
+from detectron2.engine import default_argument_parser
 
-from .launch import train_or_evaluate
+from .launch import launch_processes, train_or_evaluate
 
 
 def main(argv: Optional[Sequence[str]] = None):
     """Parse detectron2's training arguments and run ``train_or_evaluate`` in K processes."""
     args = default_argument_parser().parse_args(argv)
-    return launch(
-        train_or_evaluate,
-        args.num_gpus,
-        num_machines=args.num_machines,
-        machine_rank=args.machine_rank,
-        dist_url=args.dist_url,
-        args=(args,),
-    )
+    return launch_processes(train_or_evaluate, args)
 
 
 if __name__ == "__main__":
