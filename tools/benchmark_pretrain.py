@@ -5,8 +5,8 @@ hours an ImageNet epoch would take at that speed.
 Not a test: a measurement to run by hand, on the GPUs that will pretrain (or on the CPU):
 
     python tools/benchmark_pretrain.py [--config-file configs/mask_rcnn_sn_2x.yaml] [--norms BN,GN,SN]
-        [--devices 8] [--classes 1000] [--epoch-images 1281167] [--rounds 5] [--threads N] [--json PATH]
-        [KEY VALUE ...]
+        [--devices 8] [--classes 1000] [--epoch-images 1281167] [--data FOLDER] [--rounds 5] [--threads N]
+        [--json PATH] [KEY VALUE ...]
 
 Every setting puts its norm in MODEL.RESNETS.NORM of the config's ResNet under pretraining's classifier,
 optimizer and detectron2 trainer (mixed precision with PRETRAIN.AMP True). A step is the trainer's
@@ -18,10 +18,17 @@ several processes. So the hours per epoch, --epoch-images / IMS_PER_BATCH iterat
 step, are what the devices' computation alone needs: a lower bound for a real run, whose log prints its
 own ETA. BN is the reference; settings are timed in interleaved rounds (two warm-up rounds first), with
 the medians, their ratio to BN, and the lowest and highest ratio within one round.
+
+With ``--data FOLDER`` (an ImageFolder such as ImageNet, or ``embedded``) it also times the loading of
+training samples as one loader worker makes them (reading, decoding, random crop, flip: pretraining's
+own dataset) and gives, per norm, the workers each device needs to keep up with its steps
+(PRETRAIN.NUM_WORKERS is the number each process has).
 """
 
 import itertools
 import json
+import math
+import time
 
 import torch
 from detectron2.utils.events import EventStorage
@@ -30,11 +37,14 @@ from sn_detection.engine.launch import load_cfg
 from sn_detection.engine.timing import (
     WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_benchmark_parser, range_text, ratio_to, timed_norms,
 )  # fmt: skip
+from sn_detection.pretraining.data import ClassificationImages, data_folder, sample_seed
 from sn_detection.pretraining.model import BackboneClassifier
 from sn_detection.pretraining.train import build_optimizer, build_trainer
 
 REFERENCE = "BN"
 IMAGENET_TRAIN_IMAGES = 1281167
+LOADED_SAMPLES = 200
+WARMUP_SAMPLES = 10
 
 
 def setting_cfg(base_cfg, norm):
@@ -68,6 +78,22 @@ class Setting:
             return device_seconds(self.trainer.run_step, self.device)
 
 
+def loaded_images_per_second(cfg, data: str, count: int = LOADED_SAMPLES) -> float:
+    """Training samples per second that one loader worker makes from the ImageFolder ``data``: ``count``
+    samples spread over the split, after ``WARMUP_SAMPLES`` untimed ones."""
+    images = ClassificationImages(
+        data_folder(data), "train", cfg.PRETRAIN.IMAGE_SIZE, cfg.PRETRAIN.CROP_AREA, cfg.INPUT.FORMAT
+    )
+    stride = max(len(images) // (count + WARMUP_SAMPLES), 1)
+    items = [(position * stride % len(images), sample_seed(0, position)) for position in range(count + WARMUP_SAMPLES)]
+    for item in items[:WARMUP_SAMPLES]:
+        images[item]
+    start = time.perf_counter()
+    for item in items[WARMUP_SAMPLES:]:
+        images[item]
+    return count / (time.perf_counter() - start)
+
+
 def epoch_hours(step_seconds: float, epoch_images: int, ims_per_batch: int) -> float:
     """Hours of ``epoch_images / ims_per_batch`` iterations of ``step_seconds`` each."""
     return epoch_images / ims_per_batch * step_seconds / 3600
@@ -75,14 +101,15 @@ def epoch_hours(step_seconds: float, epoch_images: int, ims_per_batch: int) -> f
 
 def print_table(rows, devices):
     hours = f"h/epoch ({devices} dev.)"
+    loading = "workers_per_device" in rows[0]
     header = f"{'norm':8} {'step s':>8} {'x BN':>6} {'rounds':>11} {'images/s/dev.':>13} {hours:>18}"
-    print(header)
-    print("-" * len(header))
+    print(header + (f" {'workers/dev.':>12}" if loading else ""))
+    print("-" * (len(header) + 13 * loading))
     for row in rows:
         print(
             f"{row['norm']:8} {row['step_seconds']:8.3f} {row['step_vs_bn']:6.2f} "
             f"{range_text(row['step_vs_bn_range']):>11} {row['images_per_second_per_device']:13.1f} "
-            f"{row['epoch_hours']:18.2f}"
+            f"{row['epoch_hours']:18.2f}" + (f" {row['workers_per_device']:12d}" if loading else "")
         )
 
 
@@ -92,6 +119,7 @@ def parse_args():
     parser.add_argument("--devices", type=int, default=8, help="processes that share PRETRAIN.IMS_PER_BATCH")
     parser.add_argument("--classes", type=int, default=1000, help="outputs of the classifier")
     parser.add_argument("--epoch-images", type=int, default=IMAGENET_TRAIN_IMAGES, help="training images per epoch")
+    parser.add_argument("--data", metavar="FOLDER", help="also time one loader worker on this ImageFolder, or 'embedded'")
     args = parser.parse_args()
     if args.devices < 1 or args.rounds < 1:
         parser.error(f"--devices ({args.devices}) and --rounds ({args.rounds}) must be at least 1")
@@ -134,6 +162,12 @@ def main():
         }
         for norm in norms
     ]  # fmt: skip
+    if args.data:
+        loaded = loaded_images_per_second(cfg, args.data)
+        print(f"One loader worker on {args.data}: {loaded:.1f} training samples per second")
+        for row in rows:
+            row["loader_images_per_second_per_worker"] = loaded
+            row["workers_per_device"] = math.ceil(row["images_per_second_per_device"] / loaded)
     print_table(rows, args.devices)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,13 +1,17 @@
 """tools/benchmark_pretrain.py at a tiny size: one row per norm, BN first, each step of the per-device
-batch the config and --devices give, and the epoch hours of that step; a batch the devices cannot share
-is refused, and so is an unknown norm, with the valid names."""
+batch the config and --devices give, and the epoch hours of that step; with --data, one loader worker's
+speed on that folder and the workers each device needs; a batch the devices cannot share is refused,
+and so is an unknown norm, with the valid names."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+from PIL import Image
 from tiny_pretraining import CONFIG, REPO
 
 TOOL = os.path.join(REPO, "tools", "benchmark_pretrain.py")
@@ -35,6 +39,31 @@ def test_rows_time_each_norm_on_one_devices_share_of_the_batch(tmp_path):
         assert row["epoch_hours"] == pytest.approx(1200 / 12 * row["step_seconds"] / 3600)
     assert rows[0]["step_vs_bn"] == 1.0
     assert rows[1]["step_vs_bn"] == pytest.approx(rows[1]["step_seconds"] / rows[0]["step_seconds"])
+
+
+def image_folder(root):
+    """train/ and val/ with 2 classes of 3 JPEGs of 120 x 90 px."""
+    generator = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for name in ("a", "b"):
+            (root / split / name).mkdir(parents=True)
+            for i in range(3):
+                pixels = (torch.rand(90, 120, 3, generator=generator) * 255).byte().numpy()
+                Image.fromarray(pixels).save(root / split / name / f"{i}.jpg")
+    return root
+
+
+def test_data_gives_one_workers_speed_and_the_workers_each_device_needs(tmp_path):
+    out = tmp_path / "rows.json"
+    result = benchmark("--norms", "GN", "--devices", "2", "--data", image_folder(tmp_path / "images"),
+                       "--json", out, *TINY)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())
+    loaded = rows[0]["loader_images_per_second_per_worker"]
+    assert loaded > 0 and f"One loader worker on {tmp_path / 'images'}: {loaded:.1f} training samples" in result.stdout
+    for row in rows:
+        assert row["loader_images_per_second_per_worker"] == loaded
+        assert row["workers_per_device"] == math.ceil(row["images_per_second_per_device"] / loaded) >= 1
 
 
 def test_a_batch_the_devices_cannot_share_is_refused():
