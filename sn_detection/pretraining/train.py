@@ -187,9 +187,10 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
         start_iter = trainer.iter + 1
     trainer.data_loader = train_loader(cfg, train_images, start_iter)
     logger.info(
-        "Pretraining %s-%d with %s norms on %d images of %d classes (%s), %d px, %d per batch, iterations %d-%d",
-        "ResNet", cfg.MODEL.RESNETS.DEPTH, cfg.MODEL.RESNETS.NORM, len(train_images), len(train_images.classes),
-        folder, size, cfg.PRETRAIN.IMS_PER_BATCH, start_iter, cfg.PRETRAIN.MAX_ITER,
+        "Pretraining %s-%d with %s norms on %d images of %d classes (%s), %d px, %d per batch, iterations %d-%d, "
+        "on %s", "ResNet", cfg.MODEL.RESNETS.DEPTH, cfg.MODEL.RESNETS.NORM, len(train_images),
+        len(train_images.classes), folder, size, cfg.PRETRAIN.IMS_PER_BATCH, start_iter, cfg.PRETRAIN.MAX_ITER,
+        cfg.MODEL.DEVICE,
     )  # fmt: skip
     start = time.perf_counter()
     trainer.train(start_iter, cfg.PRETRAIN.MAX_ITER)
