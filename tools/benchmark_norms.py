@@ -1,3 +1,4 @@
+#!/usr/bin/env python
 """Forward + backward time and memory of every norm of ``build_norm``, next to torch's GroupNorm and BatchNorm.
 
 Not a test: a measurement to run by hand, on CPU and, when available, CUDA:

@@ -1,3 +1,4 @@
+#!/usr/bin/env python
 """End-to-end cost of the norms: one Mask R-CNN training step and one inference, per normalizer setting.
 
 Not a test: a measurement to run by hand, on CPU and, when available, CUDA:

@@ -18,8 +18,9 @@ from detectron2.engine import DefaultPredictor, DefaultTrainer
 from detectron2.modeling import build_model
 from shrunk_training import shrunk_cfg
 
+from sn_detection import d2
 from sn_detection.engine import Trainer
-from sn_detection.layers import NORM_CLASSES, norm_options
+from sn_detection.layers import NORM_CLASSES, gate_parameter_names, norm_options
 
 NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
 # every option at a value other than add_sn_config's default (group counts divide the shrunk model's widths)
@@ -113,3 +114,15 @@ def test_predictor_and_build_model_rebuild_the_trained_model(tmp_path, norm, kee
 def test_detectron2s_default_trainer_builds_the_same_model(tmp_path):
     cfg, options = case_cfg(tmp_path, "MGN", {})
     assert_options(DefaultTrainer.build_model(cfg), "MGN", options)
+
+
+def test_detectron2s_default_trainer_takes_our_optimizer_as_the_readme_says(tmp_path):
+    class OurOptimizerTrainer(DefaultTrainer):
+        build_optimizer = staticmethod(d2.build_optimizer)
+
+    cfg, _ = case_cfg(tmp_path, "MGN", {})
+    trainer = OurOptimizerTrainer(cfg)
+    # the lr before the warm-up's factor, which the scheduler already applies
+    lr_of = {param: group["initial_lr"] for group in trainer.optimizer.param_groups for param in group["params"]}
+    gates = [m.get_parameter(name) for m in trainer.model.modules() if isinstance(m, NORM_CLASSES) for name in gate_parameter_names(m)]
+    assert gates and all(lr_of[gate] == pytest.approx(cfg.SOLVER.BASE_LR * 3.0) for gate in gates)  # GATE_LR_FACTOR
