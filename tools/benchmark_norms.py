@@ -34,7 +34,9 @@ import json
 import torch
 from torch import nn
 
-from sn_detection.engine.timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, range_text, ratio_to
+from sn_detection.engine.timing import (
+    WARMUP_ROUNDS, device_seconds, interleaved_seconds, positive_int, range_text, ratio_to,
+)  # fmt: skip
 from sn_detection.layers import NORM_NAMES, build_norm
 
 SHAPES = {
@@ -159,8 +161,8 @@ def print_table(rows):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="full")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's choice)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed forward + backward passes")
+    parser.add_argument("--threads", type=positive_int, help="CPU threads (default: PyTorch's choice)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args()
     if args.threads:

@@ -35,7 +35,8 @@ from detectron2.utils.events import EventStorage
 
 from sn_detection.engine.launch import load_cfg
 from sn_detection.engine.timing import (
-    WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_benchmark_parser, range_text, ratio_to, timed_norms,
+    WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs, positive_int,
+    range_text, ratio_to, timed_norms,
 )  # fmt: skip
 from sn_detection.pretraining.data import ClassificationImages, data_folder, sample_seed
 from sn_detection.pretraining.model import BackboneClassifier
@@ -45,14 +46,6 @@ REFERENCE = "BN"
 IMAGENET_TRAIN_IMAGES = 1281167
 LOADED_SAMPLES = 200
 WARMUP_SAMPLES = 10
-
-
-def setting_cfg(base_cfg, norm):
-    cfg = base_cfg.clone()
-    cfg.defrost()
-    cfg.MODEL.RESNETS.NORM = norm
-    cfg.freeze()
-    return cfg
 
 
 def random_batch(cfg, images: int, classes: int):
@@ -116,14 +109,13 @@ def print_table(rows, devices):
 def parse_args():
     description = __doc__.split("\n\n")[0]
     parser = norm_benchmark_parser(description, "configs/mask_rcnn_sn_2x.yaml", "BN,GN,SN", REFERENCE, 5)
-    parser.add_argument("--devices", type=int, default=8, help="processes that share PRETRAIN.IMS_PER_BATCH")
-    parser.add_argument("--classes", type=int, default=1000, help="outputs of the classifier")
-    parser.add_argument("--epoch-images", type=int, default=IMAGENET_TRAIN_IMAGES, help="training images per epoch")
+    parser.add_argument("--devices", type=positive_int, default=8, help="processes that share PRETRAIN.IMS_PER_BATCH")
+    parser.add_argument("--classes", type=positive_int, default=1000, help="outputs of the classifier")
+    parser.add_argument(
+        "--epoch-images", type=positive_int, default=IMAGENET_TRAIN_IMAGES, help="training images per epoch"
+    )
     parser.add_argument("--data", metavar="FOLDER", help="also time one loader worker on this ImageFolder, or 'embedded'")
-    args = parser.parse_args()
-    if args.devices < 1 or args.rounds < 1:
-        parser.error(f"--devices ({args.devices}) and --rounds ({args.rounds}) must be at least 1")
-    return args
+    return parser.parse_args()
 
 
 def main():
@@ -137,6 +129,7 @@ def main():
     per_device = ims_per_batch // args.devices
 
     norms = timed_norms(args.norms, REFERENCE)
+    setting_cfgs = norm_setting_cfgs(cfg, norms, ["MODEL.RESNETS.NORM"])
     device = torch.device(cfg.MODEL.DEVICE)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     print(
@@ -145,7 +138,7 @@ def main():
         f"({ims_per_batch} over {args.devices} devices), {'AMP' if cfg.PRETRAIN.AMP else 'fp32'}"
     )
     batch = random_batch(cfg, per_device, args.classes)
-    settings = {norm: Setting(setting_cfg(cfg, norm), batch, args.classes) for norm in norms}
+    settings = {norm: Setting(setting_cfg, batch, args.classes) for norm, setting_cfg in setting_cfgs.items()}
     steps = interleaved_seconds(settings, range(args.rounds + WARMUP_ROUNDS), lambda s, _: s.train_step())
     summary = ratio_to(steps, REFERENCE)
 

@@ -34,19 +34,12 @@ from sn_detection import d2
 from sn_detection.data.datasets import register_shapes_datasets
 from sn_detection.engine.launch import load_cfg
 from sn_detection.engine.timing import (
-    WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_benchmark_parser, range_text, ratio_to, timed_norms,
+    WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs, range_text, ratio_to,
+    timed_norms,
 )  # fmt: skip
 
 NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
 REFERENCE = "GN"
-
-
-def setting_cfg(base_cfg, norm):
-    cfg = base_cfg.clone()
-    cfg.defrost()
-    cfg.merge_from_list([item for key in NORM_KEYS for item in (key, norm)])
-    cfg.freeze()
-    return cfg
 
 
 def fixed_batches(cfg, count):
@@ -106,11 +99,12 @@ def main():
     cfg = load_cfg(args.config_file, fixed + args.opts)
 
     norms = timed_norms(args.norms, REFERENCE)
+    setting_cfgs = norm_setting_cfgs(cfg, norms, NORM_KEYS)
     device = torch.device(cfg.MODEL.DEVICE)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, device {gpu or 'cpu'}")
     batches = fixed_batches(cfg, args.rounds + WARMUP_ROUNDS)
-    settings = {norm: Setting(setting_cfg(cfg, norm)) for norm in norms}
+    settings = {norm: Setting(setting_cfg) for norm, setting_cfg in setting_cfgs.items()}
     train = ratio_to(interleaved_seconds(settings, batches, lambda s, batch: s.train_step(batch)), REFERENCE)
     inference = ratio_to(interleaved_seconds(settings, batches, lambda s, batch: s.inference(batch)), REFERENCE)
 

@@ -1,12 +1,14 @@
 """Timing candidates side by side for the benchmark tools: interleaved rounds, so that a load change on a
 shared machine hits every candidate alike, and ratios with their spread over the rounds; and the options
-of the tools that time a model per norm."""
+and per-norm configs of the tools that time a model per norm."""
 
 import argparse
 import statistics
 import time
 
 import torch
+
+from ..d2 import validate_sn_config
 
 WARMUP_ROUNDS = 2
 
@@ -54,6 +56,17 @@ def range_text(ratio_range) -> str:
     return "{:.2f}-{:.2f}".format(*ratio_range)
 
 
+def positive_int(text: str) -> int:
+    """argparse ``type=`` of a count option: an int >= 1, or an argparse error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: it must be an int >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is invalid: it must be an int >= 1")
+    return value
+
+
 def norm_benchmark_parser(description: str, config_file: str, norms: str, reference: str, rounds: int):
     """The options of the tools that time a model per norm: the config, the norms (``reference``: always
     timed, first), the timed rounds, CPU threads, a JSON file for the rows, KEY VALUE config overrides."""
@@ -61,9 +74,9 @@ def norm_benchmark_parser(description: str, config_file: str, norms: str, refere
     parser.add_argument("--config-file", default=config_file)
     parser.add_argument("--norms", default=norms, help=f"comma-separated norm names; {reference} is always included")
     parser.add_argument(
-        "--rounds", type=int, default=rounds, help=f"timed rounds (after {WARMUP_ROUNDS} warm-up rounds)"
+        "--rounds", type=positive_int, default=rounds, help=f"timed rounds (after {WARMUP_ROUNDS} warm-up rounds)"
     )
-    parser.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's choice)")
+    parser.add_argument("--threads", type=positive_int, help="CPU threads (default: PyTorch's choice)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides")
     return parser
@@ -72,3 +85,19 @@ def norm_benchmark_parser(description: str, config_file: str, norms: str, refere
 def timed_norms(norms: str, reference: str) -> list:
     """The norms of a ``--norms`` value, ``reference`` first, each once."""
     return list(dict.fromkeys([reference, *filter(None, norms.split(","))]))
+
+
+def norm_setting_cfgs(base_cfg, norms, norm_keys) -> dict:
+    """Per norm, a frozen clone of ``base_cfg`` with that norm at every key of ``norm_keys``; every one is
+    validated (``validate_sn_config``) first, so that a bad setting fails with the key and its valid values
+    before any model is built."""
+    return {norm: _setting_cfg(base_cfg, norm, norm_keys) for norm in norms}
+
+
+def _setting_cfg(base_cfg, norm, norm_keys):
+    cfg = base_cfg.clone()
+    cfg.defrost()
+    cfg.merge_from_list([item for key in norm_keys for item in (key, norm)])
+    validate_sn_config(cfg)
+    cfg.freeze()
+    return cfg

@@ -1,14 +1,22 @@
 """The benchmarks' side-by-side timing: every candidate once per round, warm-up rounds dropped, ratios of
-medians and their spread over the rounds; the model benchmarks' shared options and norm list."""
+medians and their spread over the rounds; the model benchmarks' shared options (counts of at least 1),
+norm list and per-norm configs (each validated)."""
 
+import os
 import time
 
 import pytest
 import torch
 
+from sn_detection.engine import load_cfg
 from sn_detection.engine.timing import (
-    WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_benchmark_parser, range_text, ratio_to, timed_norms,
+    WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs, positive_int,
+    range_text, ratio_to, timed_norms,
 )  # fmt: skip
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEMO_CONFIG = os.path.join(REPO, "configs", "demo_mask_rcnn_gn.yaml")
+NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM")
 
 
 def test_rounds_interleave_candidates_and_drop_the_warm_up():
@@ -53,3 +61,35 @@ def test_benchmark_options_keep_config_overrides_after_the_tools_own():
     args = parser.parse_args(["--norms", "DN", "--devices", "2", "PRETRAIN.AMP", "True"])
     assert (args.config_file, args.norms, args.rounds, args.devices) == ("a.yaml", "DN", 8, 2)
     assert args.opts == ["PRETRAIN.AMP", "True"] and args.threads is None and args.json is None
+
+
+@pytest.mark.parametrize("value, shown", [("0", "0"), ("-3", "-3"), ("2.5", "'2.5'"), ("x", "'x'")])
+def test_a_count_below_one_or_not_an_int_is_an_argparse_error_naming_it(value, shown, capsys):
+    parser = norm_benchmark_parser("t", "a.yaml", "GN,SN", "GN", 8)
+    for option in ("--rounds", "--threads"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([option, value])
+        assert f"argument {option}: {shown} is invalid: it must be an int >= 1" in capsys.readouterr().err
+
+
+def test_a_count_of_at_least_one_is_kept():
+    assert positive_int("1") == 1 and positive_int("12") == 12
+    args = norm_benchmark_parser("t", "a.yaml", "GN", "GN", 8).parse_args(["--rounds", "3", "--threads", "1"])
+    assert (args.rounds, args.threads) == (3, 1)
+
+
+def test_each_norm_setting_has_the_norm_at_every_key_and_the_base_unchanged():
+    base = load_cfg(DEMO_CONFIG, [])
+    cfgs = norm_setting_cfgs(base, ["GN", "SN", "FrozenBN"], NORM_KEYS)
+    assert list(cfgs) == ["GN", "SN", "FrozenBN"]
+    for norm, cfg in cfgs.items():
+        assert cfg.is_frozen() and (cfg.MODEL.RESNETS.NORM, cfg.MODEL.FPN.NORM) == (norm, norm)
+    assert base.MODEL.FPN.NORM == "GN" and cfgs["SN"].MODEL.ROI_BOX_HEAD.NORM == base.MODEL.ROI_BOX_HEAD.NORM
+
+
+def test_a_norm_setting_the_config_cannot_build_is_refused_with_the_reason():
+    base = load_cfg(DEMO_CONFIG, ["MODEL.META_ARCHITECTURE", "GeneralizedRCNN"])
+    with pytest.raises(ValueError, match="'SN' is a norm of sn_detection, .* MODEL.META_ARCHITECTURE 'SNMetaArch'"):
+        norm_setting_cfgs(base, ["GN", "SN"], NORM_KEYS)
+    with pytest.raises(ValueError, match=r"unknown norm 'XN'; valid names are \[.*'SN'"):
+        norm_setting_cfgs(base, ["GN", "XN"], NORM_KEYS)

@@ -1,7 +1,7 @@
 """tools/benchmark_pretrain.py at a tiny size: one row per norm, BN first, each step of the per-device
 batch the config and --devices give, and the epoch hours of that step; with --data, one loader worker's
 speed on that folder and the workers each device needs; a batch the devices cannot share is refused,
-and so is an unknown norm, with the valid names."""
+and so are a count below 1, naming the option, and an unknown norm, with the valid names."""
 
 import json
 import math
@@ -76,3 +76,10 @@ def test_an_unknown_norm_is_refused_with_the_choices():
     result = benchmark("--norms", "XN", "--devices", "2", *TINY)
     assert result.returncode != 0
     assert "XN" in result.stderr and "SN" in result.stderr
+
+
+@pytest.mark.parametrize("option", ["--devices", "--classes", "--epoch-images", "--rounds"])
+def test_a_count_below_one_is_refused_naming_the_option(option):
+    result = benchmark(option, "0", *TINY)
+    assert result.returncode == 2
+    assert f"error: argument {option}: 0 is invalid: it must be an int >= 1" in result.stderr
