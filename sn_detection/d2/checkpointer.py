@@ -13,7 +13,11 @@ raises instead:
 - ``ValueError`` for a file that no reader takes, or whose model entry is not a dict of tensors (the
   training checkpoint of another code base, say);
 - ``ValueError`` when not one tensor of the checkpoint loads into the model: a checkpoint of another
-  architecture, or an ImageNet model that ``tools/convert_pretrained.py`` has not converted.
+  architecture, or an ImageNet model that ``tools/convert_pretrained.py`` has not converted;
+- ``ValueError`` when resuming from, or evaluating (``evaluate_from``), a checkpoint that is not of this
+  very model (a tensor missing, unexpected or of another shape), or evaluating none: a run continues only
+  with the config that made it, and a model is evaluated only with all its trained tensors, where
+  detectron2 would go on with a partly loaded or untrained model (or fail deep in the optimizer's state).
 
 Saving. detectron2's trainer stops with ``FloatingPointError("Loss became infinite or NaN at
 iteration=...")`` when the loss is not finite, before the optimizer step. Non-finite *gradients* behind a
@@ -52,6 +56,7 @@ class CheckedCheckpointer(DetectionCheckpointer):
     module docstring)."""
 
     _loading = None  # the path being loaded, for messages
+    _whole_for = None  # what a load that must fit every tensor is for ("resume from", "evaluate"), for messages
 
     def save(self, name: str, **kwargs) -> None:
         bad = non_finite_entries(self.model) if self.save_dir and self.save_to_disk else []
@@ -75,6 +80,24 @@ class CheckedCheckpointer(DetectionCheckpointer):
         finally:
             self._loading = None
 
+    def resume_or_load(self, path, *, resume=True):
+        return self._whole(lambda: super(CheckedCheckpointer, self).resume_or_load(path, resume=resume),
+                           "resume from" if resume and self.has_checkpoint() else None)  # fmt: skip
+
+    def evaluate_from(self, path: str, source: str) -> dict:
+        """Load ``path`` (named ``source`` in messages: a config key) to evaluate the model."""
+        if not path:
+            raise ValueError(f"there are no weights to evaluate: {source} is empty; give it the trained checkpoint "
+                             "(OUTPUT_DIR/model_final.pth, say)")
+        return self._whole(lambda: self.load(path), "evaluate")
+
+    def _whole(self, load, purpose):
+        self._whole_for = purpose
+        try:
+            return load()
+        finally:
+            self._whole_for = None
+
     def _load_file(self, filename):
         try:
             checkpoint = super()._load_file(filename)
@@ -94,6 +117,14 @@ class CheckedCheckpointer(DetectionCheckpointer):
             raise ValueError(f"no tensor of {self._loading} fits the model{_mismatches(incompatible)}. Is it a "
                              "checkpoint of another architecture, or an ImageNet model to convert with "
                              "tools/convert_pretrained.py?")
+        # BatchNorm's training counter is no weight: converted checkpoints lack it
+        missing = {key for key in not_loaded - from_config if not key.endswith("num_batches_tracked")}
+        if self._whole_for and (missing or incompatible.unexpected_keys or incompatible.incorrect_shapes):
+            remedy = ("Resume with the config that made it, or train afresh (without --resume, or into another "
+                      "output folder)" if self._whole_for == "resume from" else "Evaluate it with the config that "
+                      "trained it")  # fmt: skip
+            raise ValueError(f"cannot {self._whole_for} {self._loading}: it is not a checkpoint of this model"
+                             f"{_mismatches(incompatible, missing)}. {remedy}")
         return incompatible
 
 
@@ -110,9 +141,10 @@ def _check_weights(filename: str, weights) -> None:
             )
 
 
-def _mismatches(incompatible) -> str:
-    """What did not fit, for the message: the unexpected keys and those of another shape."""
-    parts = []
+def _mismatches(incompatible, missing=()) -> str:
+    """What did not fit, for the message: the ``missing`` keys, the unexpected ones and those of another
+    shape."""
+    parts = [f"{len(missing)} keys of the model it lacks (e.g. {_examples(sorted(missing))})"] if missing else []
     if incompatible.unexpected_keys:
         parts.append(f"{len(incompatible.unexpected_keys)} keys the model does not have "
                      f"(e.g. {_examples(incompatible.unexpected_keys)})")
@@ -131,3 +163,12 @@ def _examples(keys) -> str:
 def _first_line(error: Exception) -> str:
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def check_resumed_iteration(start_iter: int, max_iter: int, key: str, folder: str) -> None:
+    """A resumed run must not start past its last iteration (``key``), where it would train nothing."""
+    if start_iter > max_iter:
+        raise ValueError(
+            f"the last checkpoint in {folder} is at iteration {start_iter - 1}, past {key}={max_iter}: raise "
+            f"{key} to train on, or train afresh (without --resume, or into another output folder)"
+        )

@@ -138,7 +138,8 @@ def _is_int(value) -> bool:
 
 
 def _is_area_range(value) -> bool:
-    return isinstance(value, (tuple, list)) and len(value) == 2 and all(map(_is_number, value)) and 0 < value[0] <= value[1] <= 1
+    pair = isinstance(value, (tuple, list)) and len(value) == 2 and all(map(_is_number, value))
+    return pair and 0 < value[0] <= value[1] <= 1
 
 
 _NUMBER_AT_LEAST_0 = (lambda v: _is_number(v) and v >= 0, "a number >= 0")
@@ -156,7 +157,7 @@ _KEY_RULES = {
     "PRETRAIN.MAX_ITER": _INT_AT_LEAST_1,
     "PRETRAIN.BASE_LR": _NUMBER_AT_LEAST_0,
     "PRETRAIN.WARMUP_ITERS": _INT_AT_LEAST_0,
-    "PRETRAIN.MOMENTUM": (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "PRETRAIN.MOMENTUM": (lambda v: _is_number(v) and 0 < v < 1, "a number in (0, 1) (Nesterov momentum)"),
     "PRETRAIN.WEIGHT_DECAY": _NUMBER_AT_LEAST_0,
     "PRETRAIN.GATE_LR_FACTOR": _NUMBER_AT_LEAST_0,
     "PRETRAIN.LABEL_SMOOTHING": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
@@ -164,6 +165,7 @@ _KEY_RULES = {
     "PRETRAIN.NUM_WORKERS": _INT_AT_LEAST_0,
     "PRETRAIN.EVAL_PERIOD": _INT_AT_LEAST_0,
     "PRETRAIN.CHECKPOINT_PERIOD": _INT_AT_LEAST_1,
+    "PRETRAIN.OUTPUT_DIR": (lambda v: isinstance(v, str) and v != "", "a folder name"),
 }
 
 

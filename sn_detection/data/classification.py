@@ -360,6 +360,9 @@ def list_image_folder(split_root: str) -> tuple[list[str], list[tuple[str, int]]
         for file_name in sorted(os.listdir(class_dir)):
             if file_name.lower().endswith(IMAGE_EXTENSIONS):
                 samples.append((os.path.join(class_dir, file_name), index))
+    if not samples:
+        raise FileNotFoundError(f"{split_root} has class sub-folders but no images in them (files ending in "
+                                f"{', '.join(IMAGE_EXTENSIONS)}, in any case)")
     return classes, samples
 
 

@@ -52,6 +52,7 @@ from ..evidence import plots, report
 from ..evidence.runs import METRICS_FILE, RunResult, is_finished, loss_curve, read_record, read_result, write_record
 from ..layers import has_batch_statistics
 from ..pretraining import cached_backbone
+from ..pretraining.model import pretrained_norm
 from .launch import load_cfg
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,6 @@ DEFAULT_SETTINGS = ("BN", "GN", "SN", "DN", "MGN", "SN/GN", "GN/SN")
 # from one pretrained with its own norm (FrozenBN: from BN)
 FINETUNE_SETTINGS = ("FrozenBN/-", "FrozenBN/GN", "FrozenBN/SN", "GN", "GN/SN", "SN", "DN", "MGN")
 DEFAULT_FINETUNE_CONFIG = os.path.join(model_zoo.CONFIG_DIR, "demo_finetune_norms.yaml")
-PRETRAINING_NORM = {"FrozenBN": "BN"}
 NO_NORM = "-"
 DEFAULT_SEEDS = (1, 2, 3)
 DEFAULT_OUTPUT_DIR = os.path.join("output", "compare_norms")
@@ -165,8 +165,8 @@ def pretrained_backbones(cfg, settings: Sequence[Setting]) -> dict[str, str]:
     for norm in dict.fromkeys(setting.backbone for setting in settings):
         pretraining = cfg.clone()
         pretraining.defrost()
-        pretraining.MODEL.RESNETS.NORM = PRETRAINING_NORM.get(norm, norm)
-        logger.info("Backbone for %s: pretrained with %s (made once, then cached)", norm, pretraining.MODEL.RESNETS.NORM)
+        pretraining.MODEL.RESNETS.NORM = norm
+        logger.info("Backbone for %s: pretrained with %s (made once, then cached)", norm, pretrained_norm(pretraining))
         backbones[norm] = cached_backbone(pretraining)
     return backbones
 
@@ -391,9 +391,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--config-file", metavar="FILE",
         help=f"the base config (default: {DEFAULT_CONFIG}; with --finetune {DEFAULT_FINETUNE_CONFIG})",
     )  # fmt: skip
+    # extend: a setting that starts with '-' reads as an option unless attached (--settings=-/GN), and an
+    # attached value takes no others after it, so --settings may repeat
     parser.add_argument(
-        "--settings", nargs="+", metavar="SETTING",
-        help=f"NORM (backbone, FPN, heads) or BACKBONE/HEAD, - for none; default: {' '.join(DEFAULT_SETTINGS)}; "
+        "--settings", nargs="+", action="extend", metavar="SETTING",
+        help=f"NORM (backbone, FPN, heads) or BACKBONE/HEAD, - for none (write a setting that starts with - as "
+        f"--settings=-/GN, one per --settings, which may repeat); default: {' '.join(DEFAULT_SETTINGS)}; "
         f"with --finetune {' '.join(FINETUNE_SETTINGS)}",
     )  # fmt: skip
     parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="default: %(default)s")
@@ -421,9 +424,34 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     try:
         args.settings = [parse_setting(text) for text in args.settings]
+        if args.finetune:
+            check_finetune_settings(args.settings)
+        if args.publish:
+            check_publish_path(args.publish)
     except ValueError as error:
         parser.error(str(error))
     return args
+
+
+def check_finetune_settings(settings: Sequence[Setting]) -> None:
+    """Finetuning starts from a backbone pretrained with its own norm: a backbone without one has none."""
+    for setting in settings:
+        if setting.backbone == NO_NORM:
+            raise ValueError(
+                f"--finetune: setting {setting.name!r} has no backbone norm, and finetuning starts from a backbone "
+                f"pretrained with its norm; give the backbone one of {list(valid_norm_names())}"
+            )
+
+
+def check_publish_path(path: str) -> None:
+    """The table is written to ``path`` after the first finished run: its folder must be there to take it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"--publish {path!r} is a folder; it takes the file to write, e.g. model_zoo/compare_norms.md")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--publish {path!r}: its folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--publish {path!r}: its folder {folder} is not writable")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

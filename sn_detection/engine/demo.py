@@ -30,7 +30,7 @@ from detectron2.structures import Boxes, BoxMode, Instances, pairwise_iou
 from detectron2.utils.visualizer import Visualizer
 from PIL import Image
 
-from ..data.datasets import register_shapes_datasets
+from ..data.datasets import check_datasets, register_shapes_datasets
 from .launch import load_cfg
 from .trained import add_overrides_argument, load_trained_model
 
@@ -45,7 +45,9 @@ DRAW_SCALE = 2.0
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Draw a trained model's predictions on images.")
     parser.add_argument("--config-file", metavar="FILE", required=True)
-    parser.add_argument("--input", nargs="+", metavar="PATH", help="image files or glob patterns (default: --dataset)")
+    parser.add_argument(
+        "--input", nargs="+", metavar="PATH", help="image files or glob patterns, not folders (default: --dataset)"
+    )
     parser.add_argument("--dataset", default="sn_shapes_val", help="registered dataset to draw (sn_shapes_val)")
     parser.add_argument("--num-images", type=int, default=8, help="at most this many images (8)")
     parser.add_argument("--output", metavar="DIR", help=f"default: OUTPUT_DIR/{OUTPUT_FOLDER}")
@@ -58,26 +60,34 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.num_images < 1:
         parser.error(f"--num-images must be >= 1, got {args.num_images}")
+    if not 0 <= args.confidence_threshold <= 1:
+        parser.error(f"--confidence-threshold must be a score in [0, 1], got {args.confidence_threshold}")
     if args.class_agnostic_nms is not None and not 0 < args.class_agnostic_nms <= 1:
         parser.error(f"--class-agnostic-nms must be an IoU in (0, 1], got {args.class_agnostic_nms}")
     return args
 
 
 def input_files(patterns: Sequence[str]) -> list[str]:
-    """The files named by ``patterns`` (paths or globs), in order, each pattern's matches sorted."""
+    """The files named by ``patterns`` (paths or globs), in order, each pattern's matches sorted; a folder
+    among them is an error now, before the model is loaded, rather than when it is read as an image."""
     files = []
     for pattern in patterns:
         matches = sorted(glob.glob(os.path.expanduser(pattern)))
         if not matches:
             raise FileNotFoundError(f"--input {pattern!r} matches no file")
+        for match in matches:
+            if os.path.isdir(match):
+                example = os.path.join(match, "*.jpg")
+                raise IsADirectoryError(
+                    f"--input {match!r} is a folder; --input takes image files or glob patterns, e.g. {example!r}"
+                )
         files.extend(matches)
     return files
 
 
 def dataset_records(name: str, num_images: int) -> list[dict]:
-    """The first ``num_images`` records of the registered dataset ``name``."""
-    if name not in DatasetCatalog.list():
-        raise ValueError(f"unknown dataset {name!r}; registered datasets are {sorted(DatasetCatalog.list())}")
+    """The first ``num_images`` records of the registered dataset ``name``, whose files are checked first."""
+    check_datasets([name])
     return DatasetCatalog.get(name)[:num_images]
 
 

@@ -59,7 +59,11 @@ def train_or_evaluate(args):
     check_datasets(cfg.DATASETS.TEST if args.eval_only else [*cfg.DATASETS.TRAIN, *cfg.DATASETS.TEST])
     if args.eval_only:
         model = Trainer.build_model(cfg)
-        CheckedCheckpointer(model, save_dir=cfg.OUTPUT_DIR).resume_or_load(cfg.MODEL.WEIGHTS, resume=args.resume)
+        checkpointer = CheckedCheckpointer(model, save_dir=cfg.OUTPUT_DIR)
+        if args.resume and checkpointer.has_checkpoint():
+            checkpointer.evaluate_from(checkpointer.get_checkpoint_file(), f"the last checkpoint in {cfg.OUTPUT_DIR}")
+        else:
+            checkpointer.evaluate_from(cfg.MODEL.WEIGHTS, "MODEL.WEIGHTS")
         return Trainer.test(cfg, model)
     trainer = Trainer(cfg)
     trainer.resume_or_load(resume=args.resume)

@@ -30,6 +30,7 @@ from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
 from ..d2 import CheckedCheckpointer, ddp_model, step_trainer
+from ..d2.checkpointer import check_resumed_iteration
 from ..d2.hooks import batch_average_hook, insert_before_evaluation
 from ..d2.norm_analysis import norm_analysis_hook
 from ..data.datasets import register_shapes_datasets
@@ -91,6 +92,7 @@ def train(cfg, resume: bool) -> None:
     checkpointer.resume_or_load(cfg.train.init_checkpoint, resume=resume)
     # the checkpoint stores the iteration that finished: go on with the next one
     start_iter = trainer.iter + 1 if resume and checkpointer.has_checkpoint() else 0
+    check_resumed_iteration(start_iter, cfg.train.max_iter, "train.max_iter", cfg.train.output_dir)
     trainer.train(start_iter, cfg.train.max_iter)
 
 
@@ -104,7 +106,7 @@ def train_or_evaluate(args) -> Optional[dict]:
         model = instantiate(cfg.model)
         model.to(cfg.train.device)
         model = ddp_model(model)
-        CheckedCheckpointer(model).load(cfg.train.init_checkpoint)
+        CheckedCheckpointer(model).evaluate_from(cfg.train.init_checkpoint, "train.init_checkpoint")
         return evaluate(cfg, model)
     train(cfg, args.resume)
 

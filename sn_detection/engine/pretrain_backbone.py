@@ -40,6 +40,11 @@ def main(argv: Optional[Sequence[str]] = None):
         help="make the config's backbone once, in one process, in the cache; print its path (stdout)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.eval_only:
+        parser.error("--eval-only: pretraining has no evaluation-only run; its top-1 is in results.json")
+    if args.cached and (args.resume or args.num_gpus > 1 or args.num_machines > 1):
+        parser.error("--cached makes the backbone from the start in one process; --resume, --num-gpus and "
+                     "--num-machines are for a pretraining run into PRETRAIN.OUTPUT_DIR")
     if args.cached:
         setup_logger(name="detectron2")
         setup_logger(name="sn_detection")

@@ -2,7 +2,8 @@
 
 Which weights: ``MODEL.WEIGHTS`` when it is given on the command line (any file detectron2's
 checkpointer reads, or "" for the untrained model), otherwise the last checkpoint that training wrote
-into the config's ``OUTPUT_DIR`` (``last_checkpoint``, i.e. model_final.pth after a complete run). The
+into the config's ``OUTPUT_DIR`` (``last_checkpoint``, i.e. model_final.pth after a complete run). They
+must hold every tensor of the config's model: weights of another config are refused, not loaded in part. The
 config file's own MODEL.WEIGHTS is not used on its own: for a training config it names the initial
 (pretrained or empty) weights, not what training produced.
 """
@@ -46,5 +47,6 @@ def load_trained_model(cfg, opts: list) -> tuple[nn.Module, str]:
             f"no trained model: {cfg.OUTPUT_DIR} has no checkpoint of this config; train it first "
             "(tools/train_net.py --config-file ...) or name the weights with MODEL.WEIGHTS path/to/model.pth"
         )
-    checkpointer.load(weights)
+    if weights:  # every tensor of the model, trained: a partial load would show initial values as learned
+        checkpointer.evaluate_from(weights, "MODEL.WEIGHTS")
     return model.eval(), weights

@@ -22,6 +22,7 @@ from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
 from .. import d2
+from ..d2.checkpointer import check_resumed_iteration
 from ..d2.hooks import build_batch_average_hook, insert_before_evaluation
 from ..d2.norm_analysis import build_norm_analysis_hook
 from ..evidence.runs import RESULTS_FILE
@@ -58,6 +59,7 @@ class Trainer(DefaultTrainer):
 
     def resume_or_load(self, resume=True):
         super().resume_or_load(resume=resume)
+        check_resumed_iteration(self.start_iter, self.max_iter, "SOLVER.MAX_ITER", self.cfg.OUTPUT_DIR)
         if self.start_iter > 0:
             # The loader built in __init__ starts at the beginning of its stream; a resumed run must
             # read on where the checkpointed one stopped (one batch per iteration). SimpleTrainer

@@ -24,22 +24,49 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..conversion import InputConvention
 from ..d2.config import validate_sn_config
 from ..d2.meta_arch import resolve_norms
+from ..layers import NORM_NAMES, RunningMoments, norm_class
 
+# The norm a detection backbone's norm is pretrained as: FrozenBN (the paper's BN-dagger, a finetuned BN
+# backbone) is BN with fixed statistics and affine, which only BN can learn; its keys are BN's.
+PRETRAINED_AS = {"FrozenBN": "BN"}
 # PRETRAIN.SYNC_NORMS: the norm names whose batch statistics then pool over all processes
 SYNCED_NAMES = {"SN": "SyncSN", "BN": "SyncBN"}
 
 
 def backbone_cfg(cfg: CfgNode) -> CfgNode:
-    """The config of the backbone to pretrain: res5 out, nothing frozen, synchronised norms if asked."""
+    """The config of the backbone to pretrain: res5 out, nothing frozen, the norm it is pretrained as,
+    synchronised if asked."""
     validate_sn_config(cfg)
     backbone = cfg.clone()
     backbone.defrost()
     backbone.MODEL.RESNETS.OUT_FEATURES = ["res5"]
     backbone.MODEL.BACKBONE.FREEZE_AT = 0
-    if cfg.PRETRAIN.SYNC_NORMS:
-        norm = backbone.MODEL.RESNETS.NORM
-        backbone.MODEL.RESNETS.NORM = SYNCED_NAMES.get(norm, norm)
+    norm = pretrained_norm(cfg)
+    backbone.MODEL.RESNETS.NORM = synced_norm(norm, cfg.MODEL.DEVICE) if cfg.PRETRAIN.SYNC_NORMS else norm
     return backbone
+
+
+def pretrained_norm(cfg: CfgNode) -> str:
+    """The norm that pretraining trains for the config's backbone norm (``PRETRAINED_AS``)."""
+    return PRETRAINED_AS.get(cfg.MODEL.RESNETS.NORM, cfg.MODEL.RESNETS.NORM)
+
+
+def synced_norm(norm: str, device: str) -> str:
+    """``norm`` with its batch statistics pooled over all processes (PRETRAIN.SYNC_NORMS); a norm of
+    batch statistics that cannot be pooled is refused (each process would silently use its own)."""
+    synced = SYNCED_NAMES.get(norm, norm)
+    if synced in NORM_NAMES and issubclass(norm_class(synced), RunningMoments) and synced not in SYNCED_NAMES.values():
+        raise ValueError(
+            f"PRETRAIN.SYNC_NORMS=True: {norm} has batch statistics that no synchronised layer pools; "
+            f"only {', '.join(SYNCED_NAMES)} have one ({', '.join(SYNCED_NAMES.values())}). Set PRETRAIN.SYNC_NORMS "
+            f"False to pretrain {norm} with each process's own batch statistics"
+        )
+    if synced == "SyncBN" and torch.device(device).type != "cuda":
+        raise ValueError(
+            f"PRETRAIN.SYNC_NORMS=True makes BN torch's SyncBatchNorm, which runs on CUDA only, but MODEL.DEVICE "
+            f"is {device!r}; on the CPU, SN synchronises (SyncSN, over gloo), or set PRETRAIN.SYNC_NORMS False"
+        )
+    return synced
 
 
 class BackboneClassifier(nn.Module):

@@ -35,7 +35,6 @@ import shutil
 import time
 
 import torch
-from detectron2.checkpoint import DetectionCheckpointer
 from detectron2.config import CfgNode
 from detectron2.data.samplers import TrainingSampler
 from detectron2.engine import SimpleTrainer, hooks
@@ -48,12 +47,13 @@ from torch.utils.data import DataLoader
 
 from ..conversion import InputConvention
 from ..conversion.files import write_checkpoint
+from ..d2.checkpointer import CheckedCheckpointer, check_resumed_iteration
 from ..d2.hooks import batch_average_hook, insert_before_evaluation
 from ..d2.optimizer import get_optimizer_params
 from ..d2.trainers import step_trainer
 from ..data.cache import ensure_folder
 from .data import ClassificationImages, SeededStream, collate, data_folder, shard
-from .model import BackboneClassifier, backbone_state, input_convention
+from .model import BackboneClassifier, backbone_state, input_convention, pretrained_norm
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
     optimizer = build_optimizer(cfg, model)
     trainer = build_trainer(cfg, model, optimizer)
     ddp = trainer.model
-    checkpointer = DetectionCheckpointer(ddp, output_dir, trainer=trainer)
+    checkpointer = CheckedCheckpointer(ddp, output_dir, trainer=trainer)
     schedule = build_schedule(cfg, optimizer)
     evaluation = Evaluation(cfg, ddp, val_images)
     main_process = comm.is_main_process()
@@ -185,10 +185,11 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
     if resume and checkpointer.has_checkpoint():
         checkpointer.resume_or_load("", resume=True)
         start_iter = trainer.iter + 1
+        check_resumed_iteration(start_iter, cfg.PRETRAIN.MAX_ITER, "PRETRAIN.MAX_ITER", output_dir)
     trainer.data_loader = train_loader(cfg, train_images, start_iter)
     logger.info(
         "Pretraining %s-%d with %s norms on %d images of %d classes (%s), %d px, %d per batch, iterations %d-%d, "
-        "on %s", "ResNet", cfg.MODEL.RESNETS.DEPTH, cfg.MODEL.RESNETS.NORM, len(train_images),
+        "on %s", "ResNet", cfg.MODEL.RESNETS.DEPTH, pretrained_norm(cfg), len(train_images),
         len(train_images.classes), folder, size, cfg.PRETRAIN.IMS_PER_BATCH, start_iter, cfg.PRETRAIN.MAX_ITER,
         cfg.MODEL.DEVICE,
     )  # fmt: skip
@@ -199,7 +200,7 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
         "classes": len(train_images.classes),
         "data": folder,
         "depth": cfg.MODEL.RESNETS.DEPTH,
-        "norm": cfg.MODEL.RESNETS.NORM,
+        "norm": pretrained_norm(cfg),
         "iterations": cfg.PRETRAIN.MAX_ITER,
         "ims_per_batch": cfg.PRETRAIN.IMS_PER_BATCH,
         "processes": comm.get_world_size(),
@@ -240,7 +241,7 @@ def cache_key(cfg: CfgNode) -> dict:
     pretrain = {k: v for k, v in cfg.PRETRAIN.items() if k not in ("OUTPUT_DIR", "NUM_WORKERS", "EVAL_PERIOD", "CHECKPOINT_PERIOD")}
     return {
         "recipe": RECIPE_VERSION,
-        "resnets": dict(cfg.MODEL.RESNETS),
+        "resnets": dict(cfg.MODEL.RESNETS, NORM=pretrained_norm(cfg)),  # FrozenBN's backbone is BN's
         "sn": dict(cfg.MODEL.SN),
         "input": input_convention(cfg)._asdict(),
         "pretrain": pretrain,
@@ -253,7 +254,7 @@ def cached_backbone(cfg: CfgNode) -> str:
     the log) and reused, verified, afterwards; a half-made one is never reused."""
     key = json.loads(json.dumps(cache_key(cfg), default=list))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    name = f"resnet{cfg.MODEL.RESNETS.DEPTH}-{cfg.MODEL.RESNETS.NORM}-{digest}"
+    name = f"resnet{cfg.MODEL.RESNETS.DEPTH}-{pretrained_norm(cfg)}-{digest}"
     folder = os.path.join(pretrained_root(), name)
 
     def make(target: str) -> None:

@@ -1,5 +1,6 @@
 """Weights given to a model (MODEL.WEIGHTS) that cannot be what the user meant fail with a message
-naming the file and the problem; weights that fit in part load as detectron2 loads them."""
+naming the file and the problem; weights that fit in part load as detectron2 loads them; a run resumes
+only from a checkpoint of its very model, and not past its last iteration."""
 
 import pickle
 
@@ -10,6 +11,7 @@ from tiny_rcnn import tiny_cfg
 from detectron2.modeling import build_model
 
 from sn_detection.d2 import CheckedCheckpointer
+from sn_detection.d2.checkpointer import check_resumed_iteration
 
 
 @pytest.fixture
@@ -87,3 +89,44 @@ def test_weights_that_fit_in_part_load_as_in_detectron2(model, tmp_path):
     for key, value in model.state_dict().items():
         if key.startswith("backbone."):
             torch.testing.assert_close(value, state[key], msg=key)
+
+
+def test_a_run_resumes_only_from_a_checkpoint_of_its_model(model, tmp_path):
+    CheckedCheckpointer(model, str(tmp_path)).save("model_0000001", iteration=1)
+    other = build_model(tiny_cfg("GN", "c4"))  # the norm changed: SN's gate logits and BN branch are absent
+    with pytest.raises(ValueError, match=rf"cannot resume from {tmp_path / 'model_0000001.pth'}: it is not a "
+                                         r"checkpoint of this model: \d+ keys the model does not have .* Resume with "
+                                         r"the config that made it"):  # fmt: skip
+        CheckedCheckpointer(other, str(tmp_path)).resume_or_load("", resume=True)
+    CheckedCheckpointer(other, str(tmp_path)).load(str(tmp_path / "model_0000001.pth"))  # as weights: in part
+    (tmp_path / "gn").mkdir()
+    CheckedCheckpointer(other, str(tmp_path / "gn")).save("model_0000001", iteration=1)
+    with pytest.raises(ValueError, match=r"it is not a checkpoint of this model: \d+ keys of the model it lacks"):
+        CheckedCheckpointer(build_model(tiny_cfg("SN", "c4")), str(tmp_path / "gn")).resume_or_load("", resume=True)
+    same = build_model(tiny_cfg("SN", "c4"))
+    assert CheckedCheckpointer(same, str(tmp_path)).resume_or_load("", resume=True)["iteration"] == 1
+    for key, value in same.state_dict().items():
+        torch.testing.assert_close(value, model.state_dict()[key], msg=key)
+
+
+def test_a_run_does_not_resume_past_its_last_iteration():
+    check_resumed_iteration(5, 5, "SOLVER.MAX_ITER", "out")  # a finished run: nothing left to train
+    with pytest.raises(ValueError, match=r"the last checkpoint in out is at iteration 5, past SOLVER.MAX_ITER=3: "
+                                         r"raise SOLVER.MAX_ITER"):  # fmt: skip
+        check_resumed_iteration(6, 3, "SOLVER.MAX_ITER", "out")
+
+
+def test_evaluation_needs_every_trained_tensor(model, tmp_path):
+    with pytest.raises(ValueError, match="there are no weights to evaluate: MODEL.WEIGHTS is empty"):
+        CheckedCheckpointer(model).evaluate_from("", "MODEL.WEIGHTS")
+    full = tmp_path / "model_final.pth"
+    torch.save({"model": model.state_dict()}, full)
+    backbone = tmp_path / "backbone.pth"  # weights that finetuning loads in part
+    torch.save({"model": {k: v for k, v in model.state_dict().items() if k.startswith("backbone.")}}, backbone)
+    other = build_model(tiny_cfg("SN", "c4"))
+    with pytest.raises(ValueError, match=rf"cannot evaluate {backbone}: it is not a checkpoint of this model: "
+                                         r"\d+ keys of the model it lacks \(e.g. proposal_generator"):  # fmt: skip
+        CheckedCheckpointer(other).evaluate_from(str(backbone), "MODEL.WEIGHTS")
+    CheckedCheckpointer(other).evaluate_from(str(full), "MODEL.WEIGHTS")
+    for key, value in other.state_dict().items():
+        torch.testing.assert_close(value, model.state_dict()[key], msg=key)

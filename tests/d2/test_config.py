@@ -37,7 +37,8 @@ OUT_OF_RANGE = [
     ("PRETRAIN.MAX_ITER", 0, "an int >= 1"),
     ("PRETRAIN.BASE_LR", -0.1, "a number >= 0"),
     ("PRETRAIN.WARMUP_ITERS", -1, "an int >= 0"),
-    ("PRETRAIN.MOMENTUM", 1.0, "a number in [0, 1)"),
+    ("PRETRAIN.MOMENTUM", 1.0, "a number in (0, 1) (Nesterov momentum)"),
+    ("PRETRAIN.MOMENTUM", 0.0, "a number in (0, 1) (Nesterov momentum)"),
     ("PRETRAIN.WEIGHT_DECAY", -1e-4, "a number >= 0"),
     ("PRETRAIN.GATE_LR_FACTOR", -1.0, "a number >= 0"),
     ("PRETRAIN.LABEL_SMOOTHING", 1.5, "a number in [0, 1]"),
@@ -45,6 +46,7 @@ OUT_OF_RANGE = [
     ("PRETRAIN.NUM_WORKERS", -1, "an int >= 0"),
     ("PRETRAIN.EVAL_PERIOD", -1, "an int >= 0"),
     ("PRETRAIN.CHECKPOINT_PERIOD", 0, "an int >= 1"),
+    ("PRETRAIN.OUTPUT_DIR", "", "a folder name"),
 ]
 
 

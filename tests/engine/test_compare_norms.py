@@ -192,6 +192,28 @@ def test_a_no_norm_head_is_a_setting():
     assert setting.norm_overrides()[1::2] == ["FrozenBN", "", "", ""]
 
 
+def test_finetuning_a_backbone_without_norm_is_refused_up_front(capsys):
+    for settings in (["--settings=-/GN"], ["--settings", "SN", "--settings=-/GN"]):
+        with pytest.raises(SystemExit):
+            compare_norms.parse_args(["--finetune", *settings])
+        error = capsys.readouterr().err
+        assert "--finetune: setting '-/GN' has no backbone norm" in error and "'FrozenBN'" in error
+    # from scratch it is a setting; one that starts with '-' is attached to its own, repeated --settings
+    args = compare_norms.parse_args(["--settings", "SN", "FrozenBN/-", "--settings=-/GN", "--settings=-"])
+    assert [setting.name for setting in args.settings] == ["SN", "FrozenBN/-", "-/GN", "-"]
+
+
+def test_publish_into_a_missing_folder_is_refused_up_front(tmp_path, capsys):
+    missing = tmp_path / "missing" / "results.md"
+    with pytest.raises(SystemExit):
+        compare_norms.parse_args(["--publish", str(missing)])
+    assert f"--publish '{missing}': its folder {missing.parent} does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare_norms.parse_args(["--publish", str(tmp_path)])
+    assert f"--publish '{tmp_path}' is a folder" in capsys.readouterr().err
+    assert compare_norms.parse_args(["--publish", str(tmp_path / "results.md")]).publish == str(tmp_path / "results.md")
+
+
 def test_tiny_finetune_sweep_pretrains_each_backbone_once_and_finetunes_from_it(
     tmp_path, train_net_calls, tiny_classification_set, monkeypatch
 ):

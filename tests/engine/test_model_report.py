@@ -11,6 +11,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from detectron2.data import DatasetCatalog, MetadataCatalog
+from detectron2.data.datasets import register_coco_instances
 from detectron2.structures import Boxes, BoxMode, Instances
 from PIL import Image
 
@@ -66,6 +68,14 @@ def test_analyze_norms_of_the_trained_model(trained, capsys):
         rows = list(csv.DictReader(f))
     assert [row["component"] for row in rows if row["metric"] == "mean_BN"] == COMPONENTS
     assert {row["layers"] for row in rows if row["component"] == "res4"} == {"5"}  # 2 basic blocks, 1 shortcut
+
+
+def test_the_checkpoint_of_another_config_is_refused(trained):
+    """SN's checkpoint under a GN config would load in part, and GN's learned values would be initial ones."""
+    gn = [item for key in ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
+          for item in (key, "GN")]  # fmt: skip
+    with pytest.raises(ValueError, match="cannot evaluate .*model_final.pth: it is not a checkpoint of this model"):
+        analyze.main(["--config-file", DEMO_CONFIG, *SHRINK, *gn, "OUTPUT_DIR", trained])
 
 
 def test_demo_draws_predictions_beside_the_ground_truth(trained, tmp_path):
@@ -144,6 +154,42 @@ def test_class_agnostic_nms_keeps_the_top_detection_of_each_place():
     for bad in ("0", "1.5"):
         with pytest.raises(SystemExit):
             demo.parse_args(["--config-file", DEMO_CONFIG, "--class-agnostic-nms", bad])
+
+
+def test_demo_refuses_a_confidence_threshold_outside_0_1(capsys):
+    for bad in ("25", "-0.1"):  # 25: a percentage
+        with pytest.raises(SystemExit):
+            demo.parse_args(["--config-file", DEMO_CONFIG, "--confidence-threshold", bad])
+        assert f"--confidence-threshold must be a score in [0, 1], got {float(bad)}" in capsys.readouterr().err
+    assert demo.parse_args(["--config-file", DEMO_CONFIG, "--confidence-threshold", "1"]).confidence_threshold == 1
+
+
+def test_demo_refuses_a_folder_as_input_before_loading_the_model(tmp_path):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    # OUTPUT_DIR holds no checkpoint: loading the model first would fail with "no trained model"
+    arguments = ["--config-file", DEMO_CONFIG, "--input", str(folder), "--output", str(tmp_path / "out"), *SHRINK,
+                 "OUTPUT_DIR", str(tmp_path / "train")]  # fmt: skip
+    with pytest.raises(IsADirectoryError, match=rf"--input '{folder}' is a folder; --input takes image files or glob"):
+        demo.main(arguments)
+    assert not (tmp_path / "out").exists()  # nothing drawn
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(tmp_path / "a.jpg")
+    with pytest.raises(IsADirectoryError, match=rf"--input '{folder}' is a folder"):
+        demo.input_files([str(tmp_path / "*")])  # a glob that matches a folder beside the image
+    assert demo.input_files([str(tmp_path / "*.jpg")]) == [str(tmp_path / "a.jpg")]
+
+
+def test_demo_checks_the_dataset_files_before_loading_them(tmp_path):
+    name, json_file = "sn_test_demo_coco_dataset", tmp_path / "instances.json"
+    register_coco_instances(name, {}, str(json_file), str(tmp_path / "images"))  # as detectron2's COCO splits
+    try:
+        with pytest.raises(FileNotFoundError, match=f"dataset '{name}': its annotation file {json_file} does not"):
+            demo.dataset_records(name, 1)
+    finally:
+        DatasetCatalog.remove(name)
+        MetadataCatalog.remove(name)
+    with pytest.raises(ValueError, match=f"dataset '{name}' is not registered; registered datasets: "):
+        demo.dataset_records(name, 1)
 
 
 def norm_entries(prefix, layer):

@@ -84,6 +84,18 @@ def test_eval_only_reproduces_the_final_ap(trained, tmp_path):
         assert eval_only[task]["AP"] == pytest.approx(after_training[task]["AP"], abs=1e-6)
 
 
+def test_eval_only_without_trained_weights_is_refused(tmp_path):
+    """detectron2 would evaluate the untrained model ("No checkpoint found. Initializing model from scratch")."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "train_net.py"), "--config-file", DEMO_CONFIG, "--eval-only",
+         *SHRINK, "OUTPUT_DIR", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "there are no weights to evaluate: MODEL.WEIGHTS is empty" in result.stderr
+    assert not (tmp_path / "eval_results.json").exists()
+
+
 @pytest.fixture(scope="module")
 def extended_and_uninterrupted(tmp_path_factory):
     """The shrunk demo with SN (batch average), DN and MGN: 3 iterations, then --resume with MAX_ITER 5

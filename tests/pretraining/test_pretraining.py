@@ -6,6 +6,7 @@ read; the demo's cached backbone is made once and reused."""
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +18,9 @@ from PIL import Image
 from tiny_pretraining import REPO, tiny_cfg, tiny_pretraining
 
 from sn_detection.d2 import trainers
+from sn_detection.engine import pretrain_backbone
 from sn_detection.pretraining import BackboneClassifier, cached_backbone, pretrain
+from sn_detection.pretraining.model import backbone_cfg, pretrained_norm
 from sn_detection.pretraining import train as pretraining_train
 from sn_detection.pretraining.train import BACKBONE_FILE, RESULTS_FILE
 
@@ -133,6 +136,14 @@ def test_a_folder_without_splits_is_refused(tmp_path):
         pretrain(tiny_cfg(tmp_path, tmp_path / "out"))
 
 
+def test_a_split_without_images_is_refused(tmp_path):
+    for split in ("train", "val"):
+        (tmp_path / split / "n01440764").mkdir(parents=True)
+        (tmp_path / split / "n01440764" / "labels.txt").write_text("not an image")
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'train'} has class sub-folders but no images in them"):
+        pretrain(tiny_cfg(tmp_path, tmp_path / "out"))
+
+
 def test_the_cached_backbone_is_made_once(tiny_classification_set, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
     calls = []
@@ -160,3 +171,47 @@ def test_mixed_precision_off_cuda_is_refused_naming_the_key(tiny_classification_
     cfg = tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.AMP", True, "MODEL.DEVICE", "cpu")
     with pytest.raises(ValueError, match="PRETRAIN.AMP=True needs the model on a CUDA device"):
         pretrain(cfg)
+
+
+def test_a_run_resumes_only_with_its_model_and_not_past_its_last_iteration(tiny_classification_set, tmp_path):
+    pretrain(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.MAX_ITER", "2"))
+    with pytest.raises(ValueError, match="cannot resume from .*: it is not a checkpoint of this model"):
+        pretrain(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.MAX_ITER", "4", "MODEL.RESNETS.NORM", "GN"),
+                 resume=True)  # fmt: skip
+    with pytest.raises(ValueError, match="is at iteration 1, past PRETRAIN.MAX_ITER=1: raise PRETRAIN.MAX_ITER"):
+        pretrain(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.MAX_ITER", "1"), resume=True)
+
+
+def test_a_frozen_bn_backbone_is_pretrained_as_bn(tiny_classification_set, tmp_path):
+    """FrozenBN (BN-dagger) has fixed statistics and affine: only BN learns them, under the same keys."""
+    cfg = tiny_cfg(tiny_classification_set, tmp_path, "MODEL.RESNETS.NORM", "FrozenBN", "PRETRAIN.MAX_ITER", "2")
+    assert pretrain(cfg)["norm"] == "BN"
+    tensors = backbone_tensors(tmp_path / BACKBONE_FILE)
+    assert {"stem.conv1.norm.running_mean", "stem.conv1.norm.running_var"} <= set(tensors)
+    assert torch.as_tensor(tensors["stem.conv1.norm.running_mean"]).abs().sum() > 0  # FrozenBN would keep 0
+
+
+@pytest.mark.parametrize("norm, problem", [
+    ("DN", "PRETRAIN.SYNC_NORMS=True: DN has batch statistics that no synchronised layer pools"),
+    ("BN", "PRETRAIN.SYNC_NORMS=True makes BN torch's SyncBatchNorm, which runs on CUDA only"),
+])  # fmt: skip
+def test_sync_norms_refuses_statistics_it_cannot_pool(tiny_classification_set, tmp_path, norm, problem):
+    sync = ["MODEL.RESNETS.NORM", norm, "PRETRAIN.SYNC_NORMS", "True", "MODEL.DEVICE", "cpu"]
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        BackboneClassifier(tiny_cfg(tiny_classification_set, tmp_path, *sync), 3)
+
+
+def test_sync_norms_leaves_batch_independent_norms_alone(tiny_classification_set, tmp_path):
+    cfg = tiny_cfg(tiny_classification_set, tmp_path, "MODEL.RESNETS.NORM", "GN", "PRETRAIN.SYNC_NORMS", "True")
+    assert pretrained_norm(cfg) == "GN" and backbone_cfg(cfg).MODEL.RESNETS.NORM == "GN"
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--eval-only"], "--eval-only: pretraining has no evaluation-only run"),
+    (["--cached", "--num-gpus", "2"], "--cached makes the backbone from the start in one process"),
+    (["--cached", "--resume"], "--cached makes the backbone from the start in one process"),
+])  # fmt: skip
+def test_the_tool_refuses_flags_it_would_ignore(flags, problem, capsys):
+    with pytest.raises(SystemExit):
+        pretrain_backbone.main(["--config-file", os.path.join(REPO, "configs", "demo_compare_norms.yaml"), *flags])
+    assert problem in capsys.readouterr().err
