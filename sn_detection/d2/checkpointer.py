@@ -117,15 +117,35 @@ class CheckedCheckpointer(DetectionCheckpointer):
             raise ValueError(f"no tensor of {self._loading} fits the model{_mismatches(incompatible)}. Is it a "
                              "checkpoint of another architecture, or an ImageNet model to convert with "
                              "tools/convert_pretrained.py?")
-        # BatchNorm's training counter is no weight: converted checkpoints lack it
-        missing = {key for key in not_loaded - from_config if not key.endswith("num_batches_tracked")}
-        if self._whole_for and (missing or incompatible.unexpected_keys or incompatible.incorrect_shapes):
-            remedy = ("Resume with the config that made it, or train afresh (without --resume, or into another "
-                      "output folder)" if self._whole_for == "resume from" else "Evaluate it with the config that "
-                      "trained it")  # fmt: skip
-            raise ValueError(f"cannot {self._whole_for} {self._loading}: it is not a checkpoint of this model"
-                             f"{_mismatches(incompatible, missing)}. {remedy}")
+        if self._whole_for:
+            self._check_whole(incompatible, from_config)
         return incompatible
+
+    def _check_whole(self, incompatible, from_config: set) -> None:
+        """Every tensor of the model loaded, of its shape, and nothing else in the file (module docstring).
+        Not counted: buffers that are no weights of this model -- those taken from the config, those it does
+        not save (pixel_mean / pixel_std, which other detectron2 versions saved) and, when evaluating,
+        BatchNorm's training counter, which converted checkpoints lack and FrozenBN has not (a resumed run
+        needs it: its absence means another norm)."""
+        unsaved = {name for name, _ in self.model.named_buffers()} - set(self.model.state_dict())
+        counter = self._whole_for == "evaluate"
+
+        def counts(key: str) -> bool:
+            return key not in unsaved | from_config and not (counter and key.endswith("num_batches_tracked"))
+
+        shaped = {key for key, _, _ in incompatible.incorrect_shapes}  # also reported missing: not loaded
+        missing = {key for key in incompatible.missing_keys if counts(key)} - shaped
+        unexpected = [key for key in incompatible.unexpected_keys if counts(key)]
+        if not (missing or unexpected or shaped):
+            return
+        if self._whole_for == "resume from":
+            remedy = ("Resume with the config that made it, or train afresh (without --resume, or into another "
+                      "output folder)")
+        else:
+            remedy = ("To evaluate a training run, give its checkpoint (MODEL.WEIGHTS OUTPUT_DIR/model_final.pth, or "
+                      "--resume); a file trained with another config needs that config")
+        raise ValueError(f"cannot {self._whole_for} {self._loading}: it is not a checkpoint of this model"
+                         f"{_mismatches(incompatible, missing, unexpected)}. {remedy}")
 
 
 def _check_weights(filename: str, weights) -> None:
@@ -141,13 +161,13 @@ def _check_weights(filename: str, weights) -> None:
             )
 
 
-def _mismatches(incompatible, missing=()) -> str:
-    """What did not fit, for the message: the ``missing`` keys, the unexpected ones and those of another
-    shape."""
+def _mismatches(incompatible, missing=(), unexpected=None) -> str:
+    """What did not fit, for the message: the ``missing`` keys, the ``unexpected`` ones (by default all
+    that ``incompatible`` names) and those of another shape."""
+    unexpected = incompatible.unexpected_keys if unexpected is None else unexpected
     parts = [f"{len(missing)} keys of the model it lacks (e.g. {_examples(sorted(missing))})"] if missing else []
-    if incompatible.unexpected_keys:
-        parts.append(f"{len(incompatible.unexpected_keys)} keys the model does not have "
-                     f"(e.g. {_examples(incompatible.unexpected_keys)})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} keys the model does not have (e.g. {_examples(unexpected)})")
     if incompatible.incorrect_shapes:
         shapes = [f"{key} ({tuple(theirs)} in the file, {tuple(ours)} in the model)"
                   for key, theirs, ours in incompatible.incorrect_shapes]

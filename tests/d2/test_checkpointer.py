@@ -130,3 +130,33 @@ def test_evaluation_needs_every_trained_tensor(model, tmp_path):
     CheckedCheckpointer(other).evaluate_from(str(full), "MODEL.WEIGHTS")
     for key, value in other.state_dict().items():
         torch.testing.assert_close(value, model.state_dict()[key], msg=key)
+
+
+def test_a_frozen_bn_checkpoint_does_not_resume_a_bn_model(tmp_path):
+    """FrozenBN's and BN's keys differ only by BN's training counter: on resume, its absence is another norm."""
+    frozen = build_model(tiny_cfg("FrozenBN", "c4"))
+    CheckedCheckpointer(frozen, str(tmp_path)).save("model_0000001", iteration=1)
+    with pytest.raises(ValueError, match=r"it is not a checkpoint of this model: \d+ keys of the model it lacks "
+                                         r"\(e.g. backbone.*num_batches_tracked"):  # fmt: skip
+        CheckedCheckpointer(build_model(tiny_cfg("BN", "c4")), str(tmp_path)).resume_or_load("", resume=True)
+
+
+def test_what_is_no_weight_of_the_model_does_not_count(model, tmp_path):
+    """pixel_mean / pixel_std, which the model does not save (other detectron2 versions did), and when
+    evaluating, BatchNorm's counter, which a FrozenBN model lacks."""
+    state = dict(model.state_dict(), pixel_mean=torch.zeros(3, 1, 1), pixel_std=torch.ones(3, 1, 1))
+    torch.save({"model": state}, tmp_path / "with_pixel_statistics.pth")
+    CheckedCheckpointer(model).evaluate_from(str(tmp_path / "with_pixel_statistics.pth"), "MODEL.WEIGHTS")
+    bn = build_model(tiny_cfg("BN", "c4"))
+    torch.save({"model": bn.state_dict()}, tmp_path / "bn.pth")
+    CheckedCheckpointer(build_model(tiny_cfg("FrozenBN", "c4"))).evaluate_from(str(tmp_path / "bn.pth"), "MODEL.WEIGHTS")
+
+
+def test_a_tensor_of_another_shape_is_named_once(model, tmp_path):
+    state = dict(model.state_dict())
+    state["roi_heads.box_predictor.cls_score.weight"] = torch.zeros(2, 2)
+    torch.save({"model": state}, tmp_path / "other_classes.pth")
+    with pytest.raises(ValueError, match=r"it is not a checkpoint of this model: 1 of another shape \(e.g. "
+                                         r"roi_heads.box_predictor.cls_score.weight .*To evaluate a training run, "
+                                         r"give its checkpoint"):  # fmt: skip
+        CheckedCheckpointer(model).evaluate_from(str(tmp_path / "other_classes.pth"), "MODEL.WEIGHTS")

@@ -96,9 +96,10 @@ def run_tool(*args, succeeds=True):
 
 
 def test_the_tool_refuses_a_bad_value_before_writing_anything(tmp_path):
-    output = run_tool("PRETRAIN.OUTPUT_DIR", str(tmp_path / "out"), "PRETRAIN.CROP_AREA", "(0.5, 0.2)", succeeds=False)
+    output = run_tool("PRETRAIN.OUTPUT_DIR", str(tmp_path / "out"), "OUTPUT_DIR", str(tmp_path / "detector"),
+                      "PRETRAIN.CROP_AREA", "(0.5, 0.2)", succeeds=False)  # fmt: skip
     assert "PRETRAIN.CROP_AREA=(0.5, 0.2) is invalid: it must be (low, high) with 0 < low <= high <= 1" in output
-    assert not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_two_processes_with_sync_sn_equal_one_process_on_the_concatenated_batch(tiny_classification_set, tmp_path):
