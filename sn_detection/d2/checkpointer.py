@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from contextlib import contextmanager
 from urllib.parse import urlparse
 
 import numpy as np
@@ -81,20 +82,23 @@ class CheckedCheckpointer(DetectionCheckpointer):
             self._loading = None
 
     def resume_or_load(self, path, *, resume=True):
-        return self._whole(lambda: super(CheckedCheckpointer, self).resume_or_load(path, resume=resume),
-                           "resume from" if resume and self.has_checkpoint() else None)  # fmt: skip
+        with self._whole("resume from" if resume and self.has_checkpoint() else None):
+            return super().resume_or_load(path, resume=resume)
 
     def evaluate_from(self, path: str, source: str) -> dict:
         """Load ``path`` (named ``source`` in messages: a config key) to evaluate the model."""
         if not path:
             raise ValueError(f"there are no weights to evaluate: {source} is empty; give it the trained checkpoint "
                              "(OUTPUT_DIR/model_final.pth, say)")
-        return self._whole(lambda: self.load(path), "evaluate")
+        with self._whole("evaluate"):
+            return self.load(path)
 
-    def _whole(self, load, purpose):
+    @contextmanager
+    def _whole(self, purpose):
+        """Loads within must fit every tensor of the model, for ``purpose`` (None: any partial load)."""
         self._whole_for = purpose
         try:
-            return load()
+            yield
         finally:
             self._whole_for = None
 
@@ -128,10 +132,11 @@ class CheckedCheckpointer(DetectionCheckpointer):
         BatchNorm's training counter, which converted checkpoints lack and FrozenBN has not (a resumed run
         needs it: its absence means another norm)."""
         unsaved = {name for name, _ in self.model.named_buffers()} - set(self.model.state_dict())
+        no_weights = unsaved | from_config
         counter = self._whole_for == "evaluate"
 
         def counts(key: str) -> bool:
-            return key not in unsaved | from_config and not (counter and key.endswith("num_batches_tracked"))
+            return key not in no_weights and not (counter and key.endswith("num_batches_tracked"))
 
         shaped = {key for key, _, _ in incompatible.incorrect_shapes}  # also reported missing: not loaded
         missing = {key for key in incompatible.missing_keys if counts(key)} - shaped
