@@ -82,13 +82,20 @@ def test_a_model_in_eval_mode_is_averaged_in_training_mode():
     assert_statistics(model.norm2, expected_statistics(model.norm2, inputs[1]))
 
 
-def test_frozen_and_eval_mode_layers_are_left_alone():
-    model = TwoNormNet("SN")
-    model.norm1.freeze()
-    frozen = model.norm1.running_mean.clone()
-    model.train()
+@pytest.mark.parametrize("norm, excluded", [("SN", "frozen"), ("SN", "eval"), ("BN", "eval")])
+def test_frozen_and_eval_mode_layers_are_left_alone(norm, excluded):
+    model = TwoNormNet(norm)
+    if excluded == "frozen":
+        model.norm1.freeze()
+        model.train()
+    else:  # a layer its owner put in evaluation mode within a training model
+        model.train()
+        model.norm1.eval()
+    state = copy.deepcopy(model.norm1.state_dict())
     update_batch_average(model, iter(make_batches()), num_batches=2)
-    assert torch.equal(model.norm1.running_mean, frozen)
+    for name, value in model.norm1.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    assert not model.norm1.training
     assert not torch.equal(model.norm2.running_mean, torch.zeros(8))
 
 

@@ -74,12 +74,13 @@ def test_scripted_layer_matches_eager_in_training(name):
     scripted = saved_and_loaded(copy.deepcopy(eager))
     assert scripted.training
     weights = features(3, seed=5).double()
-    gradients = []
+    results = []
     for module in (eager, scripted):
         x = features(3, seed=4).double().requires_grad_()
-        (module(x) * weights).sum().backward()
-        gradients.append([x.grad] + [p.grad for p in module.parameters()])
-    for got, expected in zip(gradients[1], gradients[0]):
+        y = module(x)
+        (y * weights).sum().backward()
+        results.append([y.detach(), x.grad] + [p.grad for p in module.parameters()])
+    for got, expected in zip(results[1], results[0]):
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
     assert_same_state(scripted, eager)  # running statistics updated alike
 
