@@ -57,15 +57,23 @@ def test_amp_for_a_model_on_cuda_trains_in_mixed_precision():
     assert isinstance(trainer, AMPTrainer) and trainer.model is model
 
 
+def _batch_of(rank):
+    generator = torch.Generator().manual_seed(rank)  # each process its own data
+    return torch.randn(4, 3, generator=generator), torch.randn(4, 1, generator=generator)
+
+
 def _step_in_process(rank):
     torch.manual_seed(0)  # the same initial model in every process
     model = Regression()
-    generator = torch.Generator().manual_seed(rank)  # each process its own data
-    trainer = one_step(model, (torch.randn(4, 3, generator=generator), torch.randn(4, 1, generator=generator)))
+    trainer = one_step(model, _batch_of(rank))
     assert isinstance(trainer.model, DistributedDataParallel) and trainer.model.module is model
-    weights = [torch.empty_like(model.linear.weight) for _ in range(2)]
-    torch.distributed.all_gather(weights, model.linear.weight.detach())
-    assert torch.equal(weights[0], weights[1]), "the gradients were not averaged over the processes"
+    # DDP averages the gradients: the step of one process on both processes' batches together
+    torch.manual_seed(0)
+    alone = Regression()
+    alone(tuple(torch.cat(parts) for parts in zip(_batch_of(0), _batch_of(1))))["loss"].backward()
+    torch.optim.SGD(alone.parameters(), lr=0.1).step()
+    for name, parameter in alone.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name), parameter, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_several_processes_on_the_cpu_train_one_model_in_ddp():

@@ -80,25 +80,31 @@ def assert_same(got, expected, path="checkpoint"):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    uninterrupted, resumed = {}, {}
+    """The uninterrupted run and the interrupted one, each with its folder and records; the interrupted
+    run's records before and after the interruption are kept apart."""
+    uninterrupted, before, after = {}, {}, {}
     straight_dir, resumed_dir = tmp_path_factory.mktemp("uninterrupted"), tmp_path_factory.mktemp("resumed")
     train(shrunk_cfg(straight_dir, *RESUME_OPTS), [RecordLosses(uninterrupted)])
     with pytest.raises(Interrupted):
-        train(shrunk_cfg(resumed_dir, *RESUME_OPTS), [RecordLosses(resumed), InterruptAfter(CHECKPOINT_PERIOD - 1)])
-    train(shrunk_cfg(resumed_dir, *RESUME_OPTS), [RecordLosses(resumed)], resume=True)
-    return (straight_dir, uninterrupted), (resumed_dir, resumed)
+        train(shrunk_cfg(resumed_dir, *RESUME_OPTS), [RecordLosses(before), InterruptAfter(CHECKPOINT_PERIOD - 1)])
+    train(shrunk_cfg(resumed_dir, *RESUME_OPTS), [RecordLosses(after)], resume=True)
+    return (straight_dir, uninterrupted), (resumed_dir, before, after)
 
 
 def test_losses_and_learning_rate_of_every_iteration_are_the_same(runs):
-    (_, uninterrupted), (_, resumed) = runs
-    assert sorted(uninterrupted) == sorted(resumed) == list(range(MAX_ITER))
+    (_, uninterrupted), (_, before, after) = runs
+    assert sorted(uninterrupted) == list(range(MAX_ITER))
+    # the resumed run started at the checkpoint: a run that trained again from 0 would match too
+    assert sorted(before) == list(range(CHECKPOINT_PERIOD))
+    assert sorted(after) == list(range(CHECKPOINT_PERIOD, MAX_ITER))
+    resumed = {**before, **after}
     for iteration in range(MAX_ITER):
         assert resumed[iteration] == uninterrupted[iteration], iteration
         assert {"total_loss", "loss_cls", "loss_mask", "lr"} <= set(uninterrupted[iteration])
 
 
 def test_final_checkpoints_are_identical(runs):
-    (straight_dir, _), (resumed_dir, _) = runs
+    (straight_dir, _), (resumed_dir, _, _) = runs
     expected = torch.load(straight_dir / "model_final.pth")
     got = torch.load(resumed_dir / "model_final.pth")
     model = expected["model"]
@@ -111,7 +117,7 @@ def test_final_checkpoints_are_identical(runs):
 def test_training_changed_the_statistics_it_is_compared_on(runs):
     """Guards the comparison above against a vacuous pass: the checkpoint of the interrupted run and
     the final one differ in weights and in batch-averaged statistics."""
-    (_, _), (resumed_dir, _) = runs
+    (_, _), (resumed_dir, _, _) = runs
     middle = torch.load(resumed_dir / f"model_{CHECKPOINT_PERIOD - 1:07d}.pth")["model"]
     final = torch.load(resumed_dir / "model_final.pth")["model"]
     changed = {key for key in final if not torch.equal(final[key], middle[key])}

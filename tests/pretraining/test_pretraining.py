@@ -72,13 +72,24 @@ def test_a_resumed_pretraining_equals_an_uninterrupted_one(tiny_classification_s
                 raise Interrupted
             super().run_step()
 
+    steps = []
+
+    class RecordingTrainer(trainers.SimpleTrainer):
+        def run_step(self):
+            steps.append(self.iter)
+            super().run_step()
+
     cfg = tiny_cfg(tiny_classification_set, tmp_path / "resumed")
     with monkeypatch.context() as patch:
         patch.setattr(trainers, "SimpleTrainer", InterruptedTrainer)
         with pytest.raises(Interrupted):
             pretrain(cfg)
-    resumed = pretrain(cfg, resume=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(trainers, "SimpleTrainer", RecordingTrainer)
+        resumed = pretrain(cfg, resume=True)
 
+    # it went on from the checkpoint: a run that trained again from 0 would end alike
+    assert steps == list(range(2, cfg.PRETRAIN.MAX_ITER))
     assert resumed["val_top1"] == whole["val_top1"]
     first, second = backbone_tensors(tmp_path / "whole" / BACKBONE_FILE), backbone_tensors(tmp_path / "resumed" / BACKBONE_FILE)
     assert first.keys() == second.keys()
