@@ -5,6 +5,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from low_precision import assert_float32_computation_rounded_once
 
 from sn_detection.layers.dynamic import DynamicGrouping, DynamicNorm2d
 
@@ -332,15 +333,8 @@ def test_low_precision_input_keeps_its_dtype_and_float32_statistics():
     generator = torch.Generator().manual_seed(8)
     layer = random_layer(8, generator, torch.float32, init_batch_pool=True)
     x = random_input((2, 8, 4, 4), generator, torch.float32)
-    # the float32 computation on the same rounded values, rounded once (see test_edge_cases.py)
-    out = layer(x.half())
-    assert out.dtype == torch.float16
-    torch.testing.assert_close(out.float(), layer(x.half().float()), rtol=torch.finfo(torch.float16).eps, atol=1e-6)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = layer(x.bfloat16())
-    assert out.dtype == torch.bfloat16
-    expected = layer(x.bfloat16().float())
-    torch.testing.assert_close(out.float(), expected, rtol=torch.finfo(torch.bfloat16).eps, atol=1e-6)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert_float32_computation_rounded_once(layer, x, dtype)
 
 
 def test_channels_last_gives_the_same_values():

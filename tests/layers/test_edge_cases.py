@@ -4,10 +4,9 @@ Detection feeds norms empty batches (no proposals), single images, 1x1 maps, mix
 channels-last tensors, and saves and reloads them; each case below is run for every registered name.
 """
 
-import copy
-
 import pytest
 import torch
+from low_precision import assert_float32_computation_rounded_once
 
 from sn_detection.layers import NORM_NAMES, build_norm, norm_options
 
@@ -86,16 +85,7 @@ def test_switching_between_training_and_evaluation(name):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16_autocast"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_low_precision_output_is_the_float32_computation_rounded_once(name, training, dtype):
-    """Statistics and normalization in float32: the output differs from the float32 layer's on the same
-    (already rounded) values only by its rounding to the input's dtype, half a unit in the last place;
-    statistics in fp16 or bf16 miss this by tens of units."""
-    layer = make(name).train(training)
-    x = features(2).to(dtype)
-    expected = copy.deepcopy(layer)(x.float())
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-        y = layer(x)
-    assert y.dtype == dtype
-    torch.testing.assert_close(y.float(), expected, rtol=torch.finfo(dtype).eps, atol=1e-6)
+    assert_float32_computation_rounded_once(make(name).train(training), features(2), dtype)
 
 
 def test_channels_last_gives_the_same_values(name):
