@@ -6,7 +6,8 @@ A subclass of ``torch.nn.GroupNorm`` so that parameters (``weight``, ``bias`` of
 dicts are PyTorch's; only two things change. The constructor takes the channel count first, like the
 other layers of this package, and fails with both numbers when they do not divide. The forward computes
 in at least float32 and returns the input's dtype, so fp16 inputs and bf16 autocast regions (where
-PyTorch would return float32) behave as for the other layers.
+PyTorch would return float32) behave as for the other layers; so does a layer whose parameters were
+converted to fp16 or bf16.
 """
 
 import torch.nn.functional as F
@@ -29,5 +30,6 @@ class GroupNorm2d(nn.GroupNorm):
         super().__init__(num_groups, num_channels, eps=eps)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.group_norm(x.to(stat_dtype(x)), self.num_groups, self.weight, self.bias, self.eps)
+        dtype = stat_dtype(x)  # parameters too: a model converted with .half() keeps fp16 ones
+        y = F.group_norm(x.to(dtype), self.num_groups, self.weight.to(dtype), self.bias.to(dtype), self.eps)
         return y.to(x.dtype)

@@ -89,12 +89,14 @@ class SkewnessReducedBatchNorm2d(RunningMoments, nn.Module):
         if not torch.jit.is_scripting():
             self._follow_freezing()
         mean, var = self._batch_statistics(x) if self.training else (self.running_mean, self.running_var)
-        n, c = x.shape[:2]
-        inv_std = torch.rsqrt(var + self.eps).expand(n, c)
+        # buffers and parameters too: a model converted with .half() keeps fp16 ones
+        dtype, (n, c) = stat_dtype(x), x.shape[:2]
+        mean, var, weight, bias = (t.to(dtype).expand(n, c) for t in (mean, var, self.weight, self.bias))
+        inv_std = torch.rsqrt(var + self.eps)
         zeros = torch.zeros_like(inv_std)
         # centred at the batch mean, not folded into x * a + b: see ``statistics``
-        z = scale_shift(x.to(stat_dtype(x)), inv_std, zeros, mean.expand(n, c))
-        y = scale_shift(signed_power(z, self.p), self.weight.expand(n, c), self.bias.expand(n, c), zeros)
+        z = scale_shift(x.to(dtype), inv_std, zeros, mean)
+        y = scale_shift(signed_power(z, self.p), weight, bias, zeros)
         return y.to(x.dtype)
 
     def _batch_statistics(self, x: Tensor) -> tuple[Tensor, Tensor]:

@@ -98,7 +98,7 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments, nn.Module):
 
     def _batch_branch(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         if not self.training:
-            return self.running_mean, self.running_var
+            return self.running_mean.to(mean_in.dtype), self.running_var.to(mean_in.dtype)
         sums = self._reduce(group_sums(mean_in, var_in, spatial_size))
         self._track(sums)
         mean, var = moments_from_sums(sums)
@@ -128,7 +128,7 @@ class SyncSwitchableNorm2d(SwitchableNorm2d):
 
 def _mix(logits: Tensor, statistics: list[Tensor]) -> Tensor:
     """sum_k softmax(logits)_k * statistics_k, broadcasting (N, C), (N, 1) and (C,) to (N, C)."""
-    weights = torch.softmax(logits, 0)
+    weights = torch.softmax(logits.to(statistics[0].dtype), 0)  # fp32 even for fp16 logits (model.half())
     mixed = weights[0] * statistics[0]
     for k in range(1, len(statistics)):  # a loop TorchScript compiles (it takes no generator)
         mixed = mixed + weights[k] * statistics[k]

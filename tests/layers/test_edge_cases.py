@@ -4,6 +4,8 @@ Detection feeds norms empty batches (no proposals), single images, 1x1 maps, mix
 channels-last tensors, and saves and reloads them; each case below is run for every registered name.
 """
 
+import copy
+
 import pytest
 import torch
 from low_precision import assert_float32_computation_rounded_once
@@ -86,6 +88,25 @@ def test_switching_between_training_and_evaluation(name):
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_low_precision_output_is_the_float32_computation_rounded_once(name, training, dtype):
     assert_float32_computation_rounded_once(make(name).train(training), features(2), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_a_layer_converted_to_low_precision_still_computes_in_float32(name, training, dtype):
+    """``model.half()`` rounds parameters and buffers too: the output is the float32 computation with those
+    rounded values, rounded once, and the backward gives gradients in the parameters' dtype."""
+    layer = make(name).train()
+    layer(features(3, seed=4))  # running statistics that are not the initial ones
+    low = layer.train(training).to(dtype)
+    x = features(2).to(dtype).requires_grad_()
+    expected = copy.deepcopy(low).float()(x.detach().float())
+    y = low(x)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.float(), expected, rtol=torch.finfo(dtype).eps, atol=1e-6)
+    (y.float() * features(2, seed=5)).sum().backward()
+    assert x.grad.isfinite().all()
+    for parameter_name, parameter in low.named_parameters():
+        assert parameter.grad.dtype == dtype and parameter.grad.isfinite().all(), parameter_name
 
 
 def test_channels_last_gives_the_same_values(name):
