@@ -189,6 +189,10 @@ def validate_sn_config(cfg: CN) -> None:
     _check_meta_architecture(cfg)
 
 
+# what detectron2's get_norm builds for "GN": nn.GroupNorm(32, C), eps 1e-5
+_DETECTRON2_GN = NormFactory("GN", num_groups=32, eps=1e-5)
+
+
 def _check_meta_architecture(cfg: CN) -> None:
     """Our norms get their options only when SNMetaArch builds the model, and it builds another one."""
     inner = cfg.MODEL.SN.META_ARCHITECTURE
@@ -201,8 +205,8 @@ def _check_meta_architecture(cfg: CN) -> None:
     if cfg.MODEL.META_ARCHITECTURE == SN_META_ARCHITECTURE:
         return
     for key, _, norm in norm_keys(cfg.MODEL):
-        ours = norm in NORM_NAMES and not (norm == "GN" and cfg.MODEL.SN.GN_GROUPS == 32)  # else detectron2's GN
-        if ours:
+        theirs = norm == "GN" and norm_factory_from_cfg(cfg, "GN") == _DETECTRON2_GN  # the same layer
+        if norm in NORM_NAMES and not theirs:
             raise ValueError(
                 f"{key}={norm!r} is a norm of sn_detection, built with the options of MODEL.SN only by "
                 f"MODEL.META_ARCHITECTURE {SN_META_ARCHITECTURE!r} (which builds MODEL.SN.META_ARCHITECTURE, "

@@ -153,9 +153,11 @@ def test_a_path_that_does_not_see_the_options_cannot_build_our_layers():
         validate_sn_config(cfg)
 
 
-def test_gn_groups_other_than_detectron2s_need_sn_meta_arch():
+@pytest.mark.parametrize("option", [("MODEL.SN.GN_GROUPS", 16), ("MODEL.SN.EPS", 1e-3)], ids=["groups", "eps"])
+def test_gn_options_other_than_detectron2s_need_sn_meta_arch(option):
+    """detectron2's GN is nn.GroupNorm(32, C) with eps 1e-5: another option would be silently dropped."""
     validate_sn_config(tiny_cfg("GN", "fpn", "MODEL.SN.GN_GROUPS", 32, "MODEL.META_ARCHITECTURE", "GeneralizedRCNN"))
-    cfg = tiny_cfg("GN", "fpn", "MODEL.SN.GN_GROUPS", 16, "MODEL.META_ARCHITECTURE", "GeneralizedRCNN")
+    cfg = tiny_cfg("GN", "fpn", "MODEL.SN.GN_GROUPS", 32, *option, "MODEL.META_ARCHITECTURE", "GeneralizedRCNN")
     with pytest.raises(ValueError, match=r"MODEL\.\w+\.NORM='GN' is a norm of sn_detection"):
         validate_sn_config(cfg)
 
