@@ -38,7 +38,7 @@ from typing import Callable
 
 from torch import Tensor, nn
 
-from ..layers import GroupNorm2d, SwitchableNorm2d
+from ..layers import IDENTITY_KEY, GroupNorm2d, SwitchableNorm2d
 from .report import ConversionError, ConversionReport
 
 # The norm layout of each target, and the targets each source norm can become.
@@ -204,6 +204,7 @@ class ResNetCollector:
     def _emit_norm(self, module: str, channels: int, params: dict, norm: str, use_bn: bool) -> dict[str, Tensor]:
         layer = _target_layer(norm, channels, use_bn)
         template = layer.state_dict()
+        template.pop(IDENTITY_KEY, None)  # converted weights know no options: they load unchecked
         if norm == "BN":
             template.pop("num_batches_tracked")
         out = {}

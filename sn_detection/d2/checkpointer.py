@@ -14,8 +14,12 @@ raises instead:
   training checkpoint of another code base, say);
 - ``ValueError`` when not one tensor of the checkpoint loads into the model: a checkpoint of another
   architecture, or an ImageNet model that ``tools/convert_pretrained.py`` has not converted;
+- ``ValueError`` when a layer of ours in the file is of another norm or options than the model's (the
+  identity each saves, ``layers.identity``; detectron2's own loader fails there too, with torch's
+  RuntimeError), listing every such layer;
 - ``ValueError`` when resuming from, or evaluating (``evaluate_from``), a checkpoint that is not of this
-  very model (a tensor missing, unexpected or of another shape), or evaluating none: a run continues only
+  very model (a tensor or a layer's identity missing, unexpected or of another shape), or evaluating
+  none: a run continues only
   with the config that made it, and a model is evaluated only with all its trained tensors, where
   detectron2 would go on with a partly loaded or untrained model (or fail deep in the optimizer's state).
 
@@ -38,6 +42,8 @@ import numpy as np
 import torch
 from detectron2.checkpoint import DetectionCheckpointer
 from torch import nn
+
+from ..layers import IDENTITY_KEY
 
 _EXAMPLES = 3  # keys quoted in a message
 _NAMES_SHOWN = 5  # non-finite tensors named in a message
@@ -113,24 +119,36 @@ class CheckedCheckpointer(DetectionCheckpointer):
         return checkpoint
 
     def _load_model(self, checkpoint):
-        incompatible = super()._load_model(checkpoint)
+        saved = {key.removeprefix("module.") for key in checkpoint["model"]}  # detectron2 strips DDP's prefix
+        try:
+            incompatible = super()._load_model(checkpoint)
+        except RuntimeError as error:  # torch's load_state_dict: our layers' identities differ (``layers.identity``)
+            if not self._whole_for:
+                raise ValueError(f"cannot load weights from {self._loading}: {error}") from error
+            raise ValueError(f"cannot {self._whole_for} {self._loading}: it is not a checkpoint of this model: "
+                             f"{error}\n{self._remedy()}") from error
         # detectron2 takes pixel_mean / pixel_std from the config when the checkpoint lacks them
         from_config = set(dict(self.model.named_buffers(recurse=False)))
-        not_loaded = set(incompatible.missing_keys) | from_config
+        # identities the file lacks: not reported by torch (``layers.identity``), not loaded either
+        unchecked = {key for key in self.model.state_dict() if key.endswith(IDENTITY_KEY)} - saved
+        shaped = {key for key, _, _ in incompatible.incorrect_shapes}
+        not_loaded = set(incompatible.missing_keys) | from_config | unchecked | shaped
         if set(self.model.state_dict()) <= not_loaded:
             raise ValueError(f"no tensor of {self._loading} fits the model{_mismatches(incompatible)}. Is it a "
                              "checkpoint of another architecture, or an ImageNet model to convert with "
                              "tools/convert_pretrained.py?")
         if self._whole_for:
-            self._check_whole(incompatible, from_config)
+            self._check_whole(incompatible, from_config, unchecked)
         return incompatible
 
-    def _check_whole(self, incompatible, from_config: set) -> None:
+    def _check_whole(self, incompatible, from_config: set, unchecked: set) -> None:
         """Every tensor of the model loaded, of its shape, and nothing else in the file (module docstring).
         Not counted: buffers that are no weights of this model -- those taken from the config, those it does
         not save (pixel_mean / pixel_std, which other detectron2 versions saved) and, when evaluating,
         BatchNorm's training counter, which converted checkpoints lack and FrozenBN has not (a resumed run
-        needs it: its absence means another norm)."""
+        needs it: its absence means another norm). Counted: the ``unchecked`` identities of our layers that
+        the file lacks, which detectron2 does not report (``layers.identity``): BatchNorm's tensors would
+        load into BNSR, GN's into PONO."""
         unsaved = {name for name, _ in self.model.named_buffers()} - set(self.model.state_dict())
         no_weights = unsaved | from_config
         counter = self._whole_for == "evaluate"
@@ -139,18 +157,19 @@ class CheckedCheckpointer(DetectionCheckpointer):
             return key not in no_weights and not (counter and key.endswith("num_batches_tracked"))
 
         shaped = {key for key, _, _ in incompatible.incorrect_shapes}  # also reported missing: not loaded
-        missing = {key for key in incompatible.missing_keys if counts(key)} - shaped
+        missing = ({key for key in incompatible.missing_keys if counts(key)} | unchecked) - shaped
         unexpected = [key for key in incompatible.unexpected_keys if counts(key)]
         if not (missing or unexpected or shaped):
             return
-        if self._whole_for == "resume from":
-            remedy = ("Resume with the config that made it, or train afresh (without --resume, or into another "
-                      "output folder)")
-        else:
-            remedy = ("To evaluate a training run, give its checkpoint (MODEL.WEIGHTS OUTPUT_DIR/model_final.pth, or "
-                      "--resume); a file trained with another config needs that config")
         raise ValueError(f"cannot {self._whole_for} {self._loading}: it is not a checkpoint of this model"
-                         f"{_mismatches(incompatible, missing, unexpected)}. {remedy}")
+                         f"{_mismatches(incompatible, missing, unexpected)}. {self._remedy()}")
+
+    def _remedy(self) -> str:
+        if self._whole_for == "resume from":
+            return ("Resume with the config that made it, or train afresh (without --resume, or into another "
+                    "output folder)")
+        return ("To evaluate a training run, give its checkpoint (MODEL.WEIGHTS OUTPUT_DIR/model_final.pth, or "
+                "--resume); a file trained with another config needs that config")
 
 
 def _check_weights(filename: str, weights) -> None:

@@ -16,6 +16,7 @@ from .factory import (
 )
 from .freezing import FreezableNorm
 from .group import GroupNorm2d
+from .identity import IDENTITY_KEY, NormIdentity
 from .mode import ModeGroupNorm2d, ModeNorm2d
 from .positional import PositionalNorm2d, moment_shortcut, pono
 from .running import RunningMoments
@@ -24,6 +25,7 @@ from .switchable import SwitchableNorm2d, SyncSwitchableNorm2d
 
 __all__ = [
     "NORM_CLASSES",
+    "IDENTITY_KEY",
     "NORM_NAMES",
     "DynamicNorm2d",
     "FreezableNorm",
@@ -32,6 +34,7 @@ __all__ = [
     "ModeNorm2d",
     "NormBuildError",
     "NormFactory",
+    "NormIdentity",
     "PositionalNorm2d",
     "RunningMoments",
     "SkewnessReducedBatchNorm2d",

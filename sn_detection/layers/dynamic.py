@@ -69,6 +69,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from .identity import NormIdentity
 from .options import BOOLEAN, FRACTION, POSITIVE, POSITIVE_INT, Rule, check_options
 from .running import RunningMoments, group_sums, moments_from_sums
 from .statistics import MomentNormalizer, affine_from_moments
@@ -126,7 +127,7 @@ def _expressible_groups(num_channels: int) -> list[int]:
 _GROUP_COUNT = Rule(lambda v: v is None or POSITIVE_INT.holds(v), "an int >= 1 (or None: the default grouping)")
 
 
-class DynamicNorm2d(MomentNormalizer, RunningMoments, nn.Module):
+class DynamicNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
     """Dynamic Normalization over (N, C, H, W) input; see the module docstring for the equations.
 
     Args:

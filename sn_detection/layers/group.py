@@ -13,11 +13,12 @@ converted to fp16 or bf16.
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .identity import NormIdentity
 from .options import POSITIVE, POSITIVE_INT, check_options
 from .statistics import stat_dtype
 
 
-class GroupNorm2d(nn.GroupNorm):
+class GroupNorm2d(NormIdentity, nn.GroupNorm):
     """GN over (N, C, H, W) inputs with ``num_groups`` groups of channels."""
 
     option_rules = {"num_groups": POSITIVE_INT, "eps": POSITIVE}

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .identity import NormIdentity
 from .options import FRACTION, POSITIVE, POSITIVE_INT, check_options
 from .running import RunningMoments, mode_sums, moments_from_sums
 from .statistics import MomentNormalizer
@@ -67,7 +68,7 @@ def _check_channels(owner: type, num_channels) -> None:
         raise ValueError(f"{owner.__name__}: num_channels must be a positive int, got {num_channels!r}")
 
 
-class ModeNorm2d(MomentNormalizer, RunningMoments, nn.Module):
+class ModeNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
     """Mode Normalization (Alg. 1 and 2) over (N, C, H, W) input; see the module docstring.
 
     Args:
@@ -136,7 +137,7 @@ class ModeNorm2d(MomentNormalizer, RunningMoments, nn.Module):
         return f"{self.num_channels}, num_modes={self.num_modes}, eps={self.eps}, momentum={self.momentum}"
 
 
-class ModeGroupNorm2d(MomentNormalizer, nn.Module):
+class ModeGroupNorm2d(NormIdentity, MomentNormalizer, nn.Module):
     """Mode Group Normalization (Alg. 3, Eq. 5) over (N, C, H, W) input; see the module docstring.
 
     Args:

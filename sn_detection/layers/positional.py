@@ -16,6 +16,7 @@ statistics and training and evaluation behave identically. Choices:
 import torch
 from torch import Tensor, nn
 
+from .identity import NormIdentity
 from .options import POSITIVE, check_options
 from .statistics import stat_dtype
 
@@ -39,7 +40,7 @@ def moment_shortcut(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     return x * std + mean
 
 
-class PositionalNorm2d(nn.Module):
+class PositionalNorm2d(NormIdentity, nn.Module):
     """PONO followed by a per-channel affine."""
 
     option_rules = {"eps": POSITIVE}

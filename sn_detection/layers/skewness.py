@@ -22,6 +22,7 @@ Choices the paper leaves open:
 import torch
 from torch import Tensor, nn
 
+from .identity import NormIdentity
 from .options import FRACTION, POSITIVE, check_options
 from .running import RunningMoments, group_sums, moments_from_sums
 from .statistics import instance_moments, scale_shift, stat_dtype
@@ -57,7 +58,7 @@ def signed_power(z: Tensor, p: float) -> Tensor:
     return _SignedPower.apply(z, p)
 
 
-class SkewnessReducedBatchNorm2d(RunningMoments, nn.Module):
+class SkewnessReducedBatchNorm2d(NormIdentity, RunningMoments, nn.Module):
     """BNSR over (N, C, H, W) inputs; drop-in for ``BatchNorm2d`` (same parameters and buffers)."""
 
     option_rules = {"p": POSITIVE, "eps": POSITIVE, "momentum": FRACTION}

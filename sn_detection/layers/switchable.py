@@ -41,12 +41,13 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
 
+from .identity import NormIdentity
 from .options import BOOLEAN, FRACTION, POSITIVE, check_options
 from .running import MomentSums, RunningMoments, group_sums, moments_from_sums
 from .statistics import MomentNormalizer, affine_from_moments, layer_moments
 
 
-class SwitchableNorm2d(MomentNormalizer, RunningMoments, nn.Module):
+class SwitchableNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
     """Switchable Normalization over (N, C, H, W) inputs; see the module docstring."""
 
     option_rules = {"eps": POSITIVE, "momentum": FRACTION, "use_bn": BOOLEAN}

@@ -18,7 +18,7 @@ from detectron2.checkpoint import DetectionCheckpointer
 from detectron2.modeling.backbone.resnet import BasicStem, ResNet
 from torch import nn
 
-from sn_detection.layers import SwitchableNorm2d
+from sn_detection.layers import IDENTITY_KEY, SwitchableNorm2d
 
 FEATURES = ("res2", "res3", "res4", "res5")
 
@@ -79,10 +79,11 @@ def assert_same_features(source_net, detectron2_net, seed=0):
 
 def sn_authors_checkpoint(net: nn.Module, prefix="module.", with_bn=True) -> dict:
     """The SN authors' checkpoint of ``net`` (a torchvision ResNet with SwitchableNorm2d): ``sn`` module
-    names, (1, C, 1, 1) affine and (1, C, 1) running statistics, no counter, in their trainer's dict."""
+    names, (1, C, 1, 1) affine and (1, C, 1) running statistics, no counter nor our layers' identity, in
+    their trainer's dict."""
     state = {}
     for key, value in net.state_dict().items():
-        if key.endswith("num_batches_tracked"):
+        if key.endswith(("num_batches_tracked", IDENTITY_KEY)):
             continue
         key = re.sub(r"(^|\.)bn(\d)\.", r"\1sn\2.", key)
         if re.search(r"\.(weight|bias)$", key) and value.dim() == 1 and not key.startswith("fc."):
@@ -172,7 +173,8 @@ def assert_loaded(model: nn.Module, converted: dict, prefixes: tuple[str, ...], 
     model_state = model.state_dict()
     used = set()
     for key in model_state:
-        if not key.startswith(prefixes) or key.endswith(tuple(ignore)):
+        # our layers' identities are not converted: converted weights load unchecked (layers.identity)
+        if not key.startswith(prefixes) or key.endswith((*ignore, IDENTITY_KEY)):
             continue
         matches = [name for name in converted if key == name or key.endswith("." + name)]
         assert len(matches) == 1, f"{key}: matched by {matches}"

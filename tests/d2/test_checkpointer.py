@@ -3,11 +3,13 @@ naming the file and the problem; weights that fit in part load as detectron2 loa
 only from a checkpoint of its very model, and not past its last iteration."""
 
 import pickle
+import re
 
 import pytest
 import torch
 from tiny_rcnn import tiny_cfg
 
+from detectron2.checkpoint import DetectionCheckpointer
 from detectron2.modeling import build_model
 
 from sn_detection.d2 import CheckedCheckpointer
@@ -93,16 +95,16 @@ def test_weights_that_fit_in_part_load_as_in_detectron2(model, tmp_path):
 
 def test_a_run_resumes_only_from_a_checkpoint_of_its_model(model, tmp_path):
     CheckedCheckpointer(model, str(tmp_path)).save("model_0000001", iteration=1)
-    other = build_model(tiny_cfg("GN", "c4"))  # the norm changed: SN's gate logits and BN branch are absent
+    other = build_model(tiny_cfg("BN", "c4"))  # the norm changed: SN's gate logits and identities are absent
     with pytest.raises(ValueError, match=rf"cannot resume from {tmp_path / 'model_0000001.pth'}: it is not a "
                                          r"checkpoint of this model: \d+ keys the model does not have .* Resume with "
                                          r"the config that made it"):  # fmt: skip
         CheckedCheckpointer(other, str(tmp_path)).resume_or_load("", resume=True)
     CheckedCheckpointer(other, str(tmp_path)).load(str(tmp_path / "model_0000001.pth"))  # as weights: in part
-    (tmp_path / "gn").mkdir()
-    CheckedCheckpointer(other, str(tmp_path / "gn")).save("model_0000001", iteration=1)
+    (tmp_path / "bn").mkdir()
+    CheckedCheckpointer(other, str(tmp_path / "bn")).save("model_0000001", iteration=1)
     with pytest.raises(ValueError, match=r"it is not a checkpoint of this model: \d+ keys of the model it lacks"):
-        CheckedCheckpointer(build_model(tiny_cfg("SN", "c4")), str(tmp_path / "gn")).resume_or_load("", resume=True)
+        CheckedCheckpointer(build_model(tiny_cfg("SN", "c4")), str(tmp_path / "bn")).resume_or_load("", resume=True)
     same = build_model(tiny_cfg("SN", "c4"))
     assert CheckedCheckpointer(same, str(tmp_path)).resume_or_load("", resume=True)["iteration"] == 1
     for key, value in same.state_dict().items():
@@ -160,3 +162,39 @@ def test_a_tensor_of_another_shape_is_named_once(model, tmp_path):
                                          r"roi_heads.box_predictor.cls_score.weight .*To evaluate a training run, "
                                          r"give its checkpoint"):  # fmt: skip
         CheckedCheckpointer(model).evaluate_from(str(tmp_path / "other_classes.pth"), "MODEL.WEIGHTS")
+
+
+@pytest.mark.parametrize(
+    "saved, loaded, ours, theirs",
+    [
+        (("GN",), ("PONO",), "PositionalNorm2d(eps=1e-05)", "GroupNorm2d(eps=1e-05, num_groups=8)"),
+        (("GN",), ("GN", "MODEL.SN.GN_GROUPS", 4), "GroupNorm2d(eps=1e-05, num_groups=4)", "GroupNorm2d(eps=1e-05, num_groups=8)"),
+        (("SN",), ("SN", "MODEL.SN.EPS", 1e-3), "SwitchableNorm2d(eps=0.001, use_bn=True)", "SwitchableNorm2d(eps=1e-05, use_bn=True)"),
+    ],
+    ids=["GN-into-PONO", "GN-groups", "SN-eps"],
+)
+def test_weights_of_another_norm_or_options_are_refused_on_every_load(tmp_path, saved, loaded, ours, theirs):
+    """Tensors alike in name and shape (GN's and PONO's weight and bias; an option without a shape) would
+    load silently: each layer's saved identity refuses them, through detectron2's own loader too."""
+    CheckedCheckpointer(build_model(tiny_cfg(saved[0], "c4", *saved[1:])), str(tmp_path)).save("model_final")
+    path = str(tmp_path / "model_final.pth")
+    mismatch = rf"roi_heads\.res5\.0\.conv1\.norm is {re.escape(ours)}, but the state dict was saved by {re.escape(theirs)}"
+    model = build_model(tiny_cfg(loaded[0], "c4", *loaded[1:]))
+    with pytest.raises(ValueError, match=rf"cannot load weights from {path}: (.|\n)*{mismatch}"):
+        CheckedCheckpointer(model).load(path)
+    with pytest.raises(ValueError, match=rf"cannot evaluate {path}: it is not a checkpoint of this model: (.|\n)*{mismatch}"):
+        CheckedCheckpointer(model).evaluate_from(path, "MODEL.WEIGHTS")
+    with pytest.raises(RuntimeError, match=mismatch):  # DefaultPredictor's loader
+        DetectionCheckpointer(model).load(path)
+
+
+def test_weights_without_identities_are_not_evaluated_by_a_model_with_them(tmp_path):
+    """BatchNorm's tensors are all BNSR's: only the identity tells them apart. Weights without identities
+    load as initial weights (converted ones have none), but are neither evaluated nor resumed from."""
+    CheckedCheckpointer(build_model(tiny_cfg("BN", "c4")), str(tmp_path)).save("model_final")
+    path = str(tmp_path / "model_final.pth")
+    bnsr = build_model(tiny_cfg("BNSR", "c4"))
+    CheckedCheckpointer(bnsr).load(path)
+    with pytest.raises(ValueError, match=rf"cannot evaluate {path}: it is not a checkpoint of this model: \d+ keys of "
+                                         r"the model it lacks \(e\.g\. [\w.]+norm\._extra_state"):  # fmt: skip
+        CheckedCheckpointer(bnsr).evaluate_from(path, "MODEL.WEIGHTS")

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from layer_state import tensors
 from torch.func import functional_call
 
 from sn_detection.layers import GroupNorm2d
@@ -48,7 +49,7 @@ def test_equals_torch_group_norm_with_detectron2_default_of_32_groups():
     layer = random_layer(64, 32, torch.float32)
     assert GroupNorm2d(64).num_groups == 32
     reference = torch.nn.GroupNorm(32, 64)
-    reference.load_state_dict(layer.state_dict())
+    reference.load_state_dict(tensors(layer))
     x = torch.randn(2, 64, 5, 3)
     torch.testing.assert_close(layer(x), reference(x))
 
