@@ -9,7 +9,7 @@ from .checkpointer import CheckedCheckpointer
 from .config import add_sn_config, norm_factory_from_cfg, valid_norm_names, validate_sn_config
 from .meta_arch import SNMetaArch, norm_layer, resolve_norms
 from .optimizer import build_optimizer, get_optimizer_params
-from .trainers import ddp_model, step_trainer
+from .trainers import ddp_model, share_first_process_buffers, step_trainer
 
 __all__ = [
     "CheckedCheckpointer",
@@ -21,6 +21,7 @@ __all__ = [
     "norm_factory_from_cfg",
     "norm_layer",
     "resolve_norms",
+    "share_first_process_buffers",
     "step_trainer",
     "valid_norm_names",
     "validate_sn_config",

@@ -6,12 +6,19 @@ detectron2's ``create_ddp_model`` gives DDP the local rank as device id, which D
 on the CPU: there it gets none. detectron2's AMPTrainer casts to float16 under CUDA's autocast only: it
 fails at the first step on a machine without CUDA, and does not autocast a model on the CPU on a machine
 with CUDA. So mixed precision for a model that is not on CUDA is refused, naming the config key.
+
+The trainers give DDP ``broadcast_buffers=False``, as detectron2's do: BN, SN, DN, MN and BNSR then keep
+running (and batch-averaged) statistics per process, while checkpoints hold the first process's. Each
+process evaluates its share of the images, so before evaluating, ``share_first_process_buffers`` gives
+every process the first one's buffers: the reported AP is that of the model saved, whatever the process.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from detectron2.engine import AMPTrainer, SimpleTrainer, create_ddp_model
+from detectron2.utils import comm
 
 
 def ddp_model(model: torch.nn.Module, **ddp_options) -> torch.nn.Module:
@@ -30,3 +37,11 @@ def step_trainer(model: torch.nn.Module, data_loader, optimizer, amp: bool, amp_
             f"only), but it is on {device}; set {amp_key} False to train in float32"
         )
     return (AMPTrainer if amp else SimpleTrainer)(ddp_model(model, **ddp_options), data_loader, optimizer)
+
+
+def share_first_process_buffers(model: torch.nn.Module) -> None:
+    """Every process gets the buffers of the first (module docstring); a collective, so all processes
+    call it."""
+    if comm.get_world_size() > 1:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)

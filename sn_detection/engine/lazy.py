@@ -29,7 +29,7 @@ from detectron2.evaluation import inference_on_dataset, print_csv_format
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
-from ..d2 import CheckedCheckpointer, ddp_model, step_trainer
+from ..d2 import CheckedCheckpointer, ddp_model, share_first_process_buffers, step_trainer
 from ..d2.checkpointer import check_resumed_iteration
 from ..d2.hooks import batch_average_hook, insert_before_evaluation
 from ..d2.norm_analysis import norm_analysis_hook
@@ -45,6 +45,7 @@ def evaluate(cfg, model) -> dict:
     ``train.output_dir/eval_results.json``."""
     if "evaluator" not in cfg.dataloader:
         return {}
+    share_first_process_buffers(model)  # the statistics the checkpoint holds, in every process
     results = inference_on_dataset(model, instantiate(cfg.dataloader.test), instantiate(cfg.dataloader.evaluator))
     print_csv_format(results)
     if comm.is_main_process():

@@ -96,7 +96,8 @@ class Trainer(DefaultTrainer):
     @classmethod
     def test(cls, cfg, model, evaluators=None):
         """Evaluates on cfg.DATASETS.TEST; the latest results (after training: the final AP) go to
-        OUTPUT_DIR/eval_results.json."""
+        OUTPUT_DIR/eval_results.json. Every process evaluates with the statistics the checkpoint holds."""
+        d2.share_first_process_buffers(model)
         results = super().test(cfg, model, evaluators)
         if comm.is_main_process():
             # DefaultTrainer.test unwraps the per-dataset level when there is a single test dataset.

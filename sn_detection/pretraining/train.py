@@ -50,7 +50,7 @@ from ..conversion.files import write_checkpoint
 from ..d2.checkpointer import CheckedCheckpointer, check_resumed_iteration
 from ..d2.hooks import batch_average_hook, insert_before_evaluation
 from ..d2.optimizer import get_optimizer_params
-from ..d2.trainers import step_trainer
+from ..d2.trainers import share_first_process_buffers, step_trainer
 from ..data.cache import ensure_folder
 from .data import ClassificationImages, SeededStream, collate, data_folder, shard
 from .model import BackboneClassifier, backbone_state, input_convention, pretrained_norm
@@ -140,6 +140,7 @@ class Evaluation(hooks.EvalHook):
         self.latest = None
 
     def _evaluate(self, cfg, model, images):
+        share_first_process_buffers(model)  # the statistics backbone.pth holds, in every process
         self.latest = top1(cfg, model, images)
         logger.info("Top-1 on the val split (%d images): %.2f %%", len(images), self.latest)
         get_event_storage().put_scalar("val_top1", self.latest, smoothing_hint=False)

@@ -1,5 +1,5 @@
 """tools/train_net.py end to end on the embedded dataset: train, resume, evaluate, evaluate-only; a
-resumed run against an uninterrupted one, and two processes with SyncSN on the CPU."""
+resumed run against an uninterrupted one, and two processes with SyncSN and SN on the CPU."""
 
 import json
 import math
@@ -77,19 +77,24 @@ def test_eval_only_reproduces_the_final_predictions_and_ap(trained, tmp_path):
     output_dir, _, _ = trained
     weights = os.path.join(output_dir, "model_final.pth")
     train_net("--config-file", DEMO_CONFIG, "--eval-only", *SHRINK, "MODEL.WEIGHTS", weights, "OUTPUT_DIR", str(tmp_path))
+    assert_same_evaluation(str(tmp_path), output_dir)
+
+
+def assert_same_evaluation(eval_only_dir, training_dir):
+    """The detections image by image, and every metric, of an --eval-only run and of the training run."""
     predictions = os.path.join("inference", "sn_shapes_val", "coco_instances_results.json")
-    with open(os.path.join(output_dir, predictions)) as f:
+    with open(os.path.join(training_dir, predictions)) as f:
         after_training = json.load(f)
-    with open(tmp_path / predictions) as f:
+    with open(os.path.join(eval_only_dir, predictions)) as f:
         eval_only = json.load(f)
     assert after_training and len(eval_only) == len(after_training)
     for got, expected in zip(eval_only, after_training):
         assert got.keys() == expected.keys() and got["segmentation"] == expected["segmentation"]
         assert (got["image_id"], got["category_id"]) == (expected["image_id"], expected["category_id"])
         assert [got["score"], *got["bbox"]] == pytest.approx([expected["score"], *expected["bbox"]], abs=1e-5)
-    with open(os.path.join(output_dir, "eval_results.json")) as f:
+    with open(os.path.join(training_dir, "eval_results.json")) as f:
         after_training = json.load(f)["sn_shapes_val"]
-    with open(tmp_path / "eval_results.json") as f:
+    with open(os.path.join(eval_only_dir, "eval_results.json")) as f:
         eval_only = json.load(f)["sn_shapes_val"]
     assert_finite_ap(eval_only)
     for task in ("bbox", "segm"):
@@ -135,24 +140,27 @@ def test_resumed_training_ends_with_the_uninterrupted_model(extended_and_uninter
         assert state == {"batches_read": 4}
 
 
-def test_two_processes_with_syncsn_on_the_cpu(tmp_path):
-    """--num-gpus 2 without a GPU: two gloo processes train the shrunk demo with SyncSN everywhere (2
-    images each), run SN's batch average, checkpoint and evaluate. That SyncSN's statistics and batch
-    average pool both processes' batches exactly is tested on the layer (tests/layers/test_sync_switchable.py)
-    and in pretraining (two processes against one on the concatenated batch)."""
-    sync_everywhere = [
-        "MODEL.RESNETS.NORM", "SyncSN", "MODEL.FPN.NORM", "SyncSN", "MODEL.ROI_BOX_HEAD.NORM", "SyncSN",
-        "MODEL.ROI_MASK_HEAD.NORM", "SyncSN", "TEST.BATCH_AVERAGE.ENABLED", "True",
-        "TEST.BATCH_AVERAGE.NUM_BATCHES", "2",
+def test_two_processes_on_the_cpu_evaluate_the_model_they_save(tmp_path):
+    """--num-gpus 2 without a GPU: two gloo processes train the shrunk demo with SyncSN in backbone and FPN
+    and SN in the heads (2 images each), run SN's batch average, checkpoint and evaluate, each process
+    half of the images. SN's statistics are per process, as BN's: the evaluation must use those of the
+    checkpoint, so one process evaluating model_final.pth gives the same detections on every image. That
+    SyncSN's statistics and batch average pool both processes' batches exactly is tested on the layer
+    (tests/layers/test_sync_switchable.py) and in pretraining (two processes against one on the
+    concatenated batch)."""
+    norms = [
+        "MODEL.RESNETS.NORM", "SyncSN", "MODEL.FPN.NORM", "SyncSN", "MODEL.ROI_BOX_HEAD.NORM", "SN",
+        "MODEL.ROI_MASK_HEAD.NORM", "SN", "TEST.BATCH_AVERAGE.ENABLED", "True", "TEST.BATCH_AVERAGE.NUM_BATCHES", "2",
     ]  # fmt: skip
+    training = [*norms, "SOLVER.IMS_PER_BATCH", "4", "SOLVER.MAX_ITER", "2", "DATASETS.TEST", "('sn_shapes_val',)"]
     log = shrunk_training.train_shrunk(
-        *sync_everywhere, "SOLVER.IMS_PER_BATCH", "4", "SOLVER.MAX_ITER", "2", "DATASETS.TEST", "('sn_shapes_val',)",
-        "OUTPUT_DIR", str(tmp_path), flags=["--num-gpus", "2", "--dist-url", "auto"],
-    )  # fmt: skip
+        *training, "OUTPUT_DIR", str(tmp_path / "train"), flags=["--num-gpus", "2", "--dist-url", "auto"]
+    )
     assert "World size: 2" in log
     assert "Final results on sn_shapes_val: bbox AP" in log
-    with open(tmp_path / "eval_results.json") as f:
-        assert_finite_ap(json.load(f)["sn_shapes_val"])
-    model = torch.load(tmp_path / "model_final.pth")["model"]
+    shrunk_training.train_shrunk(*training, "MODEL.WEIGHTS", str(tmp_path / "train" / "model_final.pth"),
+                                 "OUTPUT_DIR", str(tmp_path / "eval"), flags=["--eval-only"])  # fmt: skip
+    assert_same_evaluation(str(tmp_path / "eval"), str(tmp_path / "train"))
+    model = torch.load(tmp_path / "train" / "model_final.pth")["model"]
     statistics = [value for key, value in model.items() if key.endswith(("running_mean", "running_var"))]
     assert statistics and all(value.isfinite().all() for value in statistics)
