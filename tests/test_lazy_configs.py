@@ -173,3 +173,21 @@ def test_mixed_precision_off_cuda_is_refused_naming_the_key(tmp_path):
     cfg.train.amp.enabled = True
     with pytest.raises(ValueError, match="train.amp.enabled=True needs the model on a CUDA device"):
         lazy.train(cfg, resume=False)
+
+
+@pytest.mark.parametrize(
+    "averaging, message",
+    [
+        (dict(enable=True, num_batches=2), r"train.batch_average has unknown keys \['enable'\]"),
+        (dict(enabled=True, num_batches=0), r"train.batch_average.num_batches=0 is invalid: it must be an int >= 1"),
+        (dict(enabled=True), r"train.batch_average.num_batches=None is invalid"),
+    ],
+    ids=["misspelt", "zero", "absent"],
+)
+def test_a_wrong_batch_average_is_refused_before_training(tmp_path, averaging, message):
+    """A misspelt key turned the batch average off without a word; 0 batches failed after training."""
+    cfg = LazyConfig.load(str(tiny_demo(tmp_path)))
+    cfg.train.batch_average = averaging
+    with pytest.raises(ValueError, match=message):
+        lazy.train(cfg, resume=False)
+    assert not list(tmp_path.glob("*.pth")) and not (tmp_path / "metrics.json").exists()

@@ -53,6 +53,22 @@ def evaluate(cfg, model) -> dict:
     return results
 
 
+def batch_average_batches(train) -> int:
+    """The batches of ``train.batch_average`` (0: off), checked before training: a misspelt key would
+    otherwise turn the batch average off without a word."""
+    averaging = train.get("batch_average", {})
+    unknown = sorted(set(averaging) - {"enabled", "num_batches"})
+    if unknown:
+        raise ValueError(f"train.batch_average has unknown keys {unknown}: its keys are 'enabled' and 'num_batches'")
+    if not averaging.get("enabled", False):
+        return 0
+    num_batches = averaging.get("num_batches")
+    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
+        raise ValueError(f"train.batch_average.num_batches={num_batches!r} is invalid: it must be an int >= 1 "
+                         "when the batch average is enabled")
+    return num_batches
+
+
 def training_hooks(cfg, model, trainer, checkpointer) -> list:
     """detectron2's lazy-trainer hooks, with the batch average before checkpointing and evaluation and
     the norm analysis before the writers."""
@@ -63,12 +79,12 @@ def training_hooks(cfg, model, trainer, checkpointer) -> list:
         hooks.PeriodicCheckpointer(checkpointer, **cfg.train.checkpointer) if main_process else None,
         hooks.EvalHook(cfg.train.eval_period, lambda: evaluate(cfg, model)),
     ]
-    averaging = cfg.train.get("batch_average", {})
-    if averaging.get("enabled", False):
+    num_batches = batch_average_batches(cfg.train)
+    if num_batches:
         loader_cfg = copy.deepcopy(cfg.dataloader.train)
         loader_cfg.num_workers = 0  # as DefaultTrainer does for PreciseBN
         # a fresh loader: the lazy trainer's streams restart on resume
-        average = batch_average_hook(model, lambda _: instantiate(loader_cfg), averaging.num_batches, cfg.train.eval_period)
+        average = batch_average_hook(model, lambda _: instantiate(loader_cfg), num_batches, cfg.train.eval_period)
         base = insert_before_evaluation(base, average)
     analysis = norm_analysis_hook(model, cfg.train.get("norm_analysis_period", 0), cfg.train.output_dir)
     base = insert_before_evaluation(base, analysis)
@@ -80,6 +96,7 @@ def training_hooks(cfg, model, trainer, checkpointer) -> list:
 def train(cfg, resume: bool) -> None:
     """Train ``cfg`` with detectron2's lazy trainer, our hooks and checkpointer; the EvalHook evaluates
     after the last iteration."""
+    batch_average_batches(cfg.train)  # checked before anything is built
     model = instantiate(cfg.model)
     logger.info("Model:\n%s", model)
     model.to(cfg.train.device)
