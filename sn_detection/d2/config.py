@@ -31,12 +31,11 @@ that refused its options.
 
 from __future__ import annotations
 
-import numbers
-
 from detectron2.config import CfgNode as CN
 from detectron2.modeling import META_ARCH_REGISTRY
 
 from ..layers import NORM_NAMES, NormFactory, norm_class, norm_options
+from ..layers.options import NON_NEGATIVE, is_int, is_number
 
 # The registered name of the meta-architecture that builds our norms with the config's options.
 SN_META_ARCHITECTURE = "SNMetaArch"
@@ -129,38 +128,29 @@ def norm_keys(node: CN, prefix: str = "MODEL"):
             yield f"{prefix}.{name}", node, value
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _is_area_range(value) -> bool:
-    pair = isinstance(value, (tuple, list)) and len(value) == 2 and all(map(_is_number, value))
+    pair = isinstance(value, (tuple, list)) and len(value) == 2 and all(map(is_number, value))
     return pair and 0 < value[0] <= value[1] <= 1
 
 
-_NUMBER_AT_LEAST_0 = (lambda v: _is_number(v) and v >= 0, "a number >= 0")
-_INT_AT_LEAST_0 = (lambda v: _is_int(v) and v >= 0, "an int >= 0")
-_INT_AT_LEAST_1 = (lambda v: _is_int(v) and v >= 1, "an int >= 1")
+_INT_AT_LEAST_0 = (lambda v: is_int(v) and v >= 0, "an int >= 0")
+_INT_AT_LEAST_1 = (lambda v: is_int(v) and v >= 1, "an int >= 1")
 
 # Keys that are no layer option: key -> (whether a value is valid, the valid values in words).
 _KEY_RULES = {
-    "SOLVER.GATE_WEIGHT_DECAY": _NUMBER_AT_LEAST_0,
-    "SOLVER.GATE_LR_FACTOR": _NUMBER_AT_LEAST_0,
+    "SOLVER.GATE_WEIGHT_DECAY": NON_NEGATIVE,
+    "SOLVER.GATE_LR_FACTOR": NON_NEGATIVE,
     "PRETRAIN.DATA": (lambda v: isinstance(v, str) and v != "", "'embedded' or an ImageFolder directory"),
     "PRETRAIN.IMAGE_SIZE": _INT_AT_LEAST_1,
     "PRETRAIN.CROP_AREA": (_is_area_range, "(low, high) with 0 < low <= high <= 1"),
     "PRETRAIN.IMS_PER_BATCH": _INT_AT_LEAST_1,
     "PRETRAIN.MAX_ITER": _INT_AT_LEAST_1,
-    "PRETRAIN.BASE_LR": _NUMBER_AT_LEAST_0,
+    "PRETRAIN.BASE_LR": NON_NEGATIVE,
     "PRETRAIN.WARMUP_ITERS": _INT_AT_LEAST_0,
-    "PRETRAIN.MOMENTUM": (lambda v: _is_number(v) and 0 < v < 1, "a number in (0, 1) (Nesterov momentum)"),
-    "PRETRAIN.WEIGHT_DECAY": _NUMBER_AT_LEAST_0,
-    "PRETRAIN.GATE_LR_FACTOR": _NUMBER_AT_LEAST_0,
-    "PRETRAIN.LABEL_SMOOTHING": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "PRETRAIN.MOMENTUM": (lambda v: is_number(v) and 0 < v < 1, "a number in (0, 1) (Nesterov momentum)"),
+    "PRETRAIN.WEIGHT_DECAY": NON_NEGATIVE,
+    "PRETRAIN.GATE_LR_FACTOR": NON_NEGATIVE,
+    "PRETRAIN.LABEL_SMOOTHING": (lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "PRETRAIN.BATCH_AVERAGE_BATCHES": _INT_AT_LEAST_0,
     "PRETRAIN.NUM_WORKERS": _INT_AT_LEAST_0,
     "PRETRAIN.EVAL_PERIOD": _INT_AT_LEAST_0,
@@ -185,7 +175,7 @@ def validate_sn_config(cfg: CN) -> None:
         _check(key, _value(cfg, key), is_valid, valid_values)
     if cfg.TEST.BATCH_AVERAGE.ENABLED:
         key = "TEST.BATCH_AVERAGE.NUM_BATCHES"
-        _check(key, _value(cfg, key), lambda v: _is_int(v) and v >= 1, "an int >= 1 when TEST.BATCH_AVERAGE.ENABLED")
+        _check(key, _value(cfg, key), lambda v: is_int(v) and v >= 1, "an int >= 1 when TEST.BATCH_AVERAGE.ENABLED")
     _check_meta_architecture(cfg)
 
 

@@ -33,6 +33,10 @@ from detectron2.solver.build import maybe_add_gradient_clipping
 from torch import nn
 
 from ..layers import NORM_CLASSES, gate_parameter_names
+from ..layers.options import NON_NEGATIVE, check_options
+
+
+_GATE_RULES = {"gate_lr_factor": NON_NEGATIVE, "gate_weight_decay": NON_NEGATIVE}
 
 
 def get_optimizer_params(
@@ -45,6 +49,8 @@ def get_optimizer_params(
     gate_weight_decay: float = 0.0,
 ) -> list[dict]:
     """Parameter groups: detectron2's defaults, then our norms' rules (see the module docstring)."""
+    # the yaml path checks SOLVER.GATE_*; a LazyConfig passes these straight here
+    check_options(get_optimizer_params, _GATE_RULES, gate_lr_factor=gate_lr_factor, gate_weight_decay=gate_weight_decay)
     groups = get_default_optimizer_params(
         model,
         base_lr=base_lr,

@@ -70,7 +70,7 @@ import torch
 from torch import Tensor, nn
 
 from .identity import NormIdentity
-from .options import BOOLEAN, FRACTION, POSITIVE, POSITIVE_INT, Rule, check_options
+from .options import BOOLEAN, FRACTION, POSITIVE, POSITIVE_INT, Rule, check_num_channels, check_options
 from .running import RunningMoments, group_sums, moments_from_sums
 from .statistics import MomentNormalizer, affine_from_moments
 
@@ -151,8 +151,7 @@ class DynamicNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
         init_groups: Optional[int] = None,
         init_batch_pool: bool = False,
     ):
-        if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 1:
-            raise ValueError(f"DynamicNorm2d: num_channels must be a positive int, got {num_channels!r}")
+        check_num_channels(type(self), num_channels)
         check_options(
             type(self), self.option_rules, eps=eps, momentum=momentum, init_groups=init_groups,
             init_batch_pool=init_batch_pool,

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .identity import NormIdentity
-from .options import POSITIVE, POSITIVE_INT, check_options
-from .statistics import stat_dtype
+from .options import POSITIVE, POSITIVE_INT, check_num_channels, check_options
+from .statistics import check_input, stat_dtype
 
 
 class GroupNorm2d(NormIdentity, nn.GroupNorm):
@@ -25,12 +25,14 @@ class GroupNorm2d(NormIdentity, nn.GroupNorm):
     gate_parameters = ()
 
     def __init__(self, num_channels: int, *, num_groups: int = 32, eps: float = 1e-5):
+        check_num_channels(type(self), num_channels)
         check_options(type(self), self.option_rules, num_groups=num_groups, eps=eps)
         if num_channels % num_groups:
             raise ValueError(f"GroupNorm2d: num_channels={num_channels} is not divisible by num_groups={num_groups}")
         super().__init__(num_groups, num_channels, eps=eps)
 
     def forward(self, x: Tensor) -> Tensor:
+        check_input(x, self.num_channels)
         dtype = stat_dtype(x)  # parameters too: a model converted with .half() keeps fp16 ones
         y = F.group_norm(x.to(dtype), self.num_groups, self.weight.to(dtype), self.bias.to(dtype), self.eps)
         return y.to(x.dtype)

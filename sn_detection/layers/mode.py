@@ -55,17 +55,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .identity import NormIdentity
-from .options import FRACTION, POSITIVE, POSITIVE_INT, check_options
+from .options import FRACTION, POSITIVE, POSITIVE_INT, check_num_channels, check_options
 from .running import RunningMoments, mode_sums, moments_from_sums
 from .statistics import MomentNormalizer
 
 # Floor for MN's total gate weight of a mode, N_k (in samples).
 _MIN_MODE_WEIGHT = 1e-6
-
-
-def _check_channels(owner: type, num_channels) -> None:
-    if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 1:
-        raise ValueError(f"{owner.__name__}: num_channels must be a positive int, got {num_channels!r}")
 
 
 class ModeNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
@@ -84,7 +79,7 @@ class ModeNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
     mixture_running_var = True
 
     def __init__(self, num_channels: int, *, num_modes: int = 2, eps: float = 1e-5, momentum: float = 0.1):
-        _check_channels(type(self), num_channels)
+        check_num_channels(type(self), num_channels)
         check_options(type(self), self.option_rules, num_modes=num_modes, eps=eps, momentum=momentum)
         super().__init__()
         self.num_channels = num_channels
@@ -150,7 +145,7 @@ class ModeGroupNorm2d(NormIdentity, MomentNormalizer, nn.Module):
     gate_parameters = ("gate.weight", "gate.bias")
 
     def __init__(self, num_channels: int, *, num_modes: int = 2, eps: float = 1e-5):
-        _check_channels(type(self), num_channels)
+        check_num_channels(type(self), num_channels)
         check_options(type(self), self.option_rules, num_modes=num_modes, eps=eps)
         super().__init__()
         self.num_channels = num_channels

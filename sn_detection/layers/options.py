@@ -9,6 +9,7 @@ layer's constructor.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Callable, Mapping, NamedTuple
 
@@ -20,24 +21,32 @@ class Rule(NamedTuple):
     text: str
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def is_number(value) -> bool:
+    """A finite real that is not a bool (yaml reads 1e999 as inf)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-POSITIVE = Rule(lambda v: _is_number(v) and v > 0, "a number > 0")
-FRACTION = Rule(lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1] (PyTorch's momentum convention)")
+POSITIVE = Rule(lambda v: is_number(v) and v > 0, "a number > 0")
+NON_NEGATIVE = Rule(lambda v: is_number(v) and v >= 0, "a number >= 0")
+FRACTION = Rule(lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1] (PyTorch's momentum convention)")
 BOOLEAN = Rule(lambda v: isinstance(v, bool), "True or False")
-POSITIVE_INT = Rule(lambda v: _is_int(v) and v >= 1, "an int >= 1")
+POSITIVE_INT = Rule(lambda v: is_int(v) and v >= 1, "an int >= 1")
 
 
-def check_options(owner: type, rules: Mapping[str, Rule], **options) -> None:
-    """Raise a ValueError naming ``owner``, the option and its valid values for the first of ``options``
-    that breaks its rule in ``rules``."""
+def check_options(owner: Callable, rules: Mapping[str, Rule], **options) -> None:
+    """Raise a ValueError naming ``owner`` (a class or function), the option and its valid values for the
+    first of ``options`` that breaks its rule in ``rules``."""
     for name, value in options.items():
         rule = rules[name]
         if not rule.holds(value):
             raise ValueError(f"{owner.__name__}: {name}={value!r} is invalid: it must be {rule.text}")
+
+
+def check_num_channels(owner: type, num_channels) -> None:
+    """A layer's channel count must be a positive int (not a float, a bool or a string)."""
+    if not (is_int(num_channels) and num_channels >= 1):
+        raise ValueError(f"{owner.__name__}: num_channels must be a positive int, got {num_channels!r}")

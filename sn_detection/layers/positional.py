@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from .identity import NormIdentity
-from .options import POSITIVE, check_options
-from .statistics import stat_dtype
+from .options import POSITIVE, check_num_channels, check_options
+from .statistics import check_input, stat_dtype
 
 
 def pono(x: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor, Tensor]:
@@ -47,6 +47,7 @@ class PositionalNorm2d(NormIdentity, nn.Module):
     gate_parameters = ()
 
     def __init__(self, num_channels: int, *, eps: float = 1e-5):
+        check_num_channels(type(self), num_channels)
         check_options(type(self), self.option_rules, eps=eps)
         super().__init__()
         self.num_channels = num_channels
@@ -58,6 +59,7 @@ class PositionalNorm2d(NormIdentity, nn.Module):
         return f"{self.num_channels}, eps={self.eps}"
 
     def forward(self, x: Tensor) -> Tensor:
+        check_input(x, self.num_channels)
         normalized, _, _ = pono(x, self.eps)
         y = torch.addcmul(self.bias[:, None, None], normalized, self.weight[:, None, None])
         return y.to(x.dtype)

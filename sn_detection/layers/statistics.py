@@ -137,14 +137,21 @@ def normalize_by_moments(x: Tensor, affine: AffineFromMoments, parameters: Seque
         return passes.scale_shift(x, scale, shift, mean_in)
 
 
+def check_input(x: Tensor, num_channels: int) -> None:
+    """Every layer takes floating-point (N, C, H, W) input with its C channels."""
+    if x.dim() != 4 or x.shape[1] != num_channels:
+        raise ValueError(f"expected input of shape (N, {num_channels}, H, W), got {list(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"expected floating-point input, got {x.dtype}")
+
+
 class MomentNormalizer(FreezableNorm):
     """Mixin for a layer whose output is ``normalize_by_moments`` with its own
     ``scale_and_shift(mean_in, var_in, spatial_size) -> (scale, shift)`` (centred at mean_in) and
     ``num_channels``; frozen while its parameters are (``freezing``)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() != 4 or x.shape[1] != self.num_channels:
-            raise ValueError(f"expected input of shape (N, {self.num_channels}, H, W), got {list(x.shape)}")
+        check_input(x, self.num_channels)
         spatial_size = x.shape[2] * x.shape[3]
         if torch.jit.is_scripting():  # plain operations, see plain_moments
             mean, var = plain_moments(x)
@@ -158,7 +165,9 @@ def reference_normalize_by_moments(x: Tensor, affine: AffineFromMoments) -> Tens
     """``normalize_by_moments`` by separate reductions and autograd through every op: the readable path
     the fast one is tested against."""
     xs = x.to(stat_dtype(x))
-    var_in, mean_in = torch.var_mean(xs, dim=(2, 3), correction=0)
+    mean_in = xs.mean((2, 3))
+    # two passes rather than var_mean, which warns of 0 degrees of freedom on an empty batch
+    var_in = (xs - mean_in[:, :, None, None]).square().mean((2, 3))
     scale, shift = _affine_in_stat_dtype(affine, mean_in, var_in)
     return ((xs - mean_in[:, :, None, None]) * scale[:, :, None, None] + shift[:, :, None, None]).to(x.dtype)
 

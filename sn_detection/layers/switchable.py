@@ -42,7 +42,7 @@ import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
 
 from .identity import NormIdentity
-from .options import BOOLEAN, FRACTION, POSITIVE, check_options
+from .options import BOOLEAN, FRACTION, POSITIVE, check_num_channels, check_options
 from .running import MomentSums, RunningMoments, group_sums, moments_from_sums
 from .statistics import MomentNormalizer, affine_from_moments, layer_moments
 
@@ -55,6 +55,7 @@ class SwitchableNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module
     gate_parameters = ("mean_weight", "var_weight")
 
     def __init__(self, num_channels: int, *, eps: float = 1e-5, momentum: float = 0.1, use_bn: bool = True):
+        check_num_channels(type(self), num_channels)
         check_options(type(self), self.option_rules, eps=eps, momentum=momentum, use_bn=use_bn)
         super().__init__()
         self.num_channels = num_channels

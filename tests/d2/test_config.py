@@ -19,6 +19,7 @@ from sn_detection.layers import NORM_NAMES
 OUT_OF_RANGE = [
     ("MODEL.SN.EPS", 0.0, "a number > 0"),
     ("MODEL.SN.EPS", -1e-5, "a number > 0"),
+    ("MODEL.SN.EPS", float("inf"), "a number > 0"),  # yaml's 1e999
     ("MODEL.SN.MOMENTUM", -0.1, "a number in [0, 1]"),
     ("MODEL.SN.MOMENTUM", 1.5, "a number in [0, 1]"),
     ("MODEL.SN.GN_GROUPS", 0, "an int >= 1"),
@@ -28,6 +29,8 @@ OUT_OF_RANGE = [
     ("MODEL.SN.DN_INIT_GROUPS", 0, "an int >= 1"),
     ("SOLVER.GATE_LR_FACTOR", -1.0, "a number >= 0"),
     ("SOLVER.GATE_WEIGHT_DECAY", -1e-4, "a number >= 0"),
+    ("SOLVER.GATE_LR_FACTOR", float("inf"), "a number >= 0"),
+    ("SOLVER.GATE_LR_FACTOR", float("nan"), "a number >= 0"),
     ("PRETRAIN.DATA", "", "'embedded' or an ImageFolder directory"),
     ("PRETRAIN.IMAGE_SIZE", 0, "an int >= 1"),
     ("PRETRAIN.CROP_AREA", (0.5, 0.2), "(low, high) with 0 < low <= high <= 1"),

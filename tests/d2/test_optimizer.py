@@ -122,3 +122,11 @@ def test_plain_arguments_give_the_groups_of_the_config():
 def test_the_trainer_builds_this_optimizer():
     model, cfg = network(), solver_cfg()
     assert hyperparameters(Trainer.build_optimizer(cfg, model)) == hyperparameters(build_optimizer(cfg, model))
+
+
+@pytest.mark.parametrize("option", ["gate_lr_factor", "gate_weight_decay"])
+@pytest.mark.parametrize("value", [-1.0, float("inf")])
+def test_plain_gate_arguments_follow_the_config_keys_rules(option, value):
+    """A LazyConfig passes these directly: a negative LR factor would make the gates climb the loss."""
+    with pytest.raises(ValueError, match=f"get_optimizer_params: {option}={value!r} is invalid: it must be a number >= 0"):
+        get_optimizer_params(build_norm("SN", 8), base_lr=0.02, **{option: value})

@@ -5,12 +5,14 @@ channels-last tensors, and saves and reloads them; each case below is run for ev
 """
 
 import copy
+import re
+import warnings
 
 import pytest
 import torch
 from low_precision import assert_float32_computation_rounded_once
 
-from sn_detection.layers import NORM_NAMES, build_norm, norm_options
+from sn_detection.layers import NORM_NAMES, build_norm, norm_options, update_batch_average
 
 CHANNELS = 8
 
@@ -46,6 +48,25 @@ def name(request):
     return request.param
 
 
+@pytest.mark.parametrize("num_channels", [0, -3, 2.5, "8", True])
+def test_a_channel_count_that_is_no_positive_int_is_refused(name, num_channels):
+    with pytest.raises(ValueError, match=rf"num_channels must be a positive int, got {re.escape(repr(num_channels))}"):
+        build_norm(name, num_channels)
+
+
+@pytest.mark.parametrize("shape", [(2, CHANNELS), (2, CHANNELS, 5), (2, CHANNELS, 3, 4, 5), (2, CHANNELS - 1, 5, 6)])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_input_of_another_shape_is_refused(name, shape, training):
+    expected = rf"expected input of shape \(N, {CHANNELS}, H, W\), got {re.escape(str(list(shape)))}"
+    with pytest.raises(ValueError, match=expected):
+        make(name).train(training)(torch.randn(shape))
+
+
+def test_integer_input_is_refused(name):
+    with pytest.raises(TypeError, match="expected floating-point input, got torch.int64"):
+        make(name)(torch.ones(2, CHANNELS, 5, 6, dtype=torch.long))
+
+
 def test_weight_and_bias_per_channel(name):
     parameters = dict(make(name).named_parameters())
     assert parameters["weight"].shape == parameters["bias"].shape == (CHANNELS,)
@@ -62,6 +83,16 @@ def test_empty_batch_gives_empty_output_and_keeps_buffers(name):
     assert all(p.grad is None or p.grad.isfinite().all() for p in layer.parameters())
 
 
+def test_a_double_backward_of_an_empty_batch_warns_of_nothing(name):
+    """A gradient penalty on an image without proposals: no degrees-of-freedom warning from var_mean."""
+    layer = make(name).train()
+    x = features(0).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (grad,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+        grad.sum().backward()
+
+
 def test_single_sample_in_training(name):
     assert make(name).train()(features(1)).isfinite().all()
 
@@ -71,6 +102,25 @@ def test_single_sample_in_training(name):
 def test_one_by_one_maps(name, n, training):
     x = features(n)[:, :, :1, :1]
     assert make(name).train(training)(x).isfinite().all()
+
+
+@pytest.mark.parametrize("averaging", [False, True], ids=["moving_average", "batch_average"])
+def test_batches_of_one_value_per_channel_move_the_mean_but_not_the_variance(name, averaging):
+    """One image of 1x1 maps has no spread: its variance of 0 would pull the running variance towards 0,
+    until evaluation divides by sqrt(eps) (torch's BatchNorm refuses such a batch)."""
+    layer = make(name).train()
+    if "running_var" not in dict(layer.named_buffers()):
+        pytest.skip(f"{name} keeps no running statistics")
+    before = buffers(layer)
+    batches = [features(1, seed=seed)[:, :, :1, :1] * 3 + 5 for seed in range(20)]
+    if averaging:  # of one such batch (twenty would pool twenty values, which have a spread)
+        update_batch_average(layer, iter(batches), num_batches=1)
+    else:
+        for x in batches:
+            layer(x)
+    assert torch.equal(layer.running_var, before["running_var"])
+    assert not torch.equal(layer.running_mean, before["running_mean"])
+    assert layer.eval()(batches[0]).abs().max() < 20
 
 
 def test_switching_between_training_and_evaluation(name):
