@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from detectron2.checkpoint import DetectionCheckpointer
+from detectron2.config import CfgNode
 from torch import nn
 
 from .. import model_zoo
@@ -51,7 +52,7 @@ from ..d2 import norm_layer, valid_norm_names
 from ..evidence import plots, report
 from ..evidence.runs import METRICS_FILE, RunResult, is_finished, loss_curve, read_record, read_result, write_record
 from ..layers import has_batch_statistics
-from ..pretraining import cached_backbone
+from ..pretraining import cached_backbone, cached_backbone_path
 from ..pretraining.model import pretrained_norm
 from .launch import load_cfg
 
@@ -158,17 +159,22 @@ def has_batch_statistics_norm(cfg, norm: str) -> bool:
     return layer is not None and has_batch_statistics(layer)
 
 
-def pretrained_backbones(cfg, settings: Sequence[Setting]) -> dict[str, str]:
-    """Backbone norm -> the backbone pretrained with its norm (FrozenBN: with BN) by cfg's PRETRAIN
-    settings, made on first use and cached (``sn_detection.pretraining.cached_backbone``)."""
-    backbones = {}
+def pretraining_configs(cfg, settings: Sequence[Setting]) -> dict[str, CfgNode]:
+    """Backbone norm -> the config that pretrains it with that norm (FrozenBN: with BN) by cfg's PRETRAIN
+    settings (``sn_detection.pretraining.cached_backbone``)."""
+    configs = {}
     for norm in dict.fromkeys(setting.backbone for setting in settings):
-        pretraining = cfg.clone()
-        pretraining.defrost()
-        pretraining.MODEL.RESNETS.NORM = norm
+        configs[norm] = cfg.clone()
+        configs[norm].defrost()
+        configs[norm].MODEL.RESNETS.NORM = norm
+    return configs
+
+
+def make_backbones(configs: dict[str, CfgNode]) -> None:
+    """Pretrain the backbones of ``pretraining_configs`` that are not cached yet."""
+    for norm, pretraining in configs.items():
         logger.info("Backbone for %s: pretrained with %s (made once, then cached)", norm, pretrained_norm(pretraining))
-        backbones[norm] = cached_backbone(pretraining)
-    return backbones
+        cached_backbone(pretraining)
 
 
 def plan_runs(
@@ -459,7 +465,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s compare_norms] %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
     cfg = load_cfg(os.path.abspath(args.config_file), list(args.opts))
-    backbones = pretrained_backbones(cfg, args.settings) if args.finetune else None
+    pretraining = pretraining_configs(cfg, args.settings) if args.finetune else {}
+    # planned and checked before any pretraining, which takes the longest
+    backbones = {norm: cached_backbone_path(config) for norm, config in pretraining.items()} or None
     try:
         runs = plan_runs(
             cfg, args.config_file, args.settings, args.seeds, args.output_dir, args.iters, args.batch_average_batches,
@@ -469,6 +477,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as error:
         raise SystemExit(f"compare_norms: error: {error}") from None
     description = describe(cfg, args.config_file, runs)
+    if not args.report_only:
+        make_backbones(pretraining)
 
     def write():
         return write_outputs(runs, args.output_dir, description, args.publish)

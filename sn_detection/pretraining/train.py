@@ -250,13 +250,24 @@ def cache_key(cfg: CfgNode) -> dict:
     }
 
 
-def cached_backbone(cfg: CfgNode) -> str:
-    """The backbone checkpoint of ``cfg``'s pretraining, made on first use in this process (progress in
-    the log) and reused, verified, afterwards; a half-made one is never reused."""
+def _cache_entry(cfg: CfgNode) -> tuple[str, dict]:
+    """The folder of ``cfg``'s cached backbone and the key its manifest holds."""
     key = json.loads(json.dumps(cache_key(cfg), default=list))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     name = f"resnet{cfg.MODEL.RESNETS.DEPTH}-{pretrained_norm(cfg)}-{digest}"
-    folder = os.path.join(pretrained_root(), name)
+    return os.path.join(pretrained_root(), name), key
+
+
+def cached_backbone_path(cfg: CfgNode) -> str:
+    """Where ``cached_backbone(cfg)`` keeps the backbone, made or not: a sweep plans with it before
+    pretraining anything."""
+    return os.path.join(_cache_entry(cfg)[0], BACKBONE_FILE)
+
+
+def cached_backbone(cfg: CfgNode) -> str:
+    """The backbone checkpoint of ``cfg``'s pretraining, made on first use in this process (progress in
+    the log) and reused, verified, afterwards; a half-made one is never reused."""
+    folder, key = _cache_entry(cfg)
 
     def make(target: str) -> None:
         work = os.path.join(target, "training")

@@ -246,3 +246,16 @@ def test_tiny_finetune_sweep_pretrains_each_backbone_once_and_finetunes_from_it(
     train_net_calls.clear()
     assert compare_norms.main(arguments) == 0  # everything finished: nothing trained, nothing pretrained
     assert train_net_calls == [] and sorted(os.listdir(tmp_path / "backbones")) == backbones
+
+
+def test_a_finetune_sweep_checks_its_runs_before_pretraining_any_backbone(tmp_path, monkeypatch):
+    """Pretraining is the longest part: a wrong argument or a foreign folder fails before it."""
+    monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "backbones"))
+    common = ["--finetune", "--config-file", CONFIG, "--settings", "SN", "--output-dir", str(tmp_path / "sweep")]
+    with pytest.raises(SystemExit, match="seeds must be >= 0"):
+        compare_norms.main([*common, "--seeds", "-1", "--iters", "2", *TINY])
+    os.makedirs(tmp_path / "sweep" / "SN" / "seed1")
+    (tmp_path / "sweep" / "SN" / "seed1" / "notes.txt").write_text("someone else's")
+    with pytest.raises(SystemExit, match="is not empty and was not made by this sweep"):
+        compare_norms.main([*common, "--seeds", "1", "--iters", "2", *TINY])
+    assert not (tmp_path / "backbones").exists()
