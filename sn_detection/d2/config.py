@@ -140,6 +140,7 @@ _INT_AT_LEAST_1 = (lambda v: is_int(v) and v >= 1, "an int >= 1")
 _KEY_RULES = {
     "SOLVER.GATE_WEIGHT_DECAY": NON_NEGATIVE,
     "SOLVER.GATE_LR_FACTOR": NON_NEGATIVE,
+    "TEST.NORM_ANALYSIS.PERIOD": _INT_AT_LEAST_0,
     "PRETRAIN.DATA": (lambda v: isinstance(v, str) and v != "", "'embedded' or an ImageFolder directory"),
     "PRETRAIN.IMAGE_SIZE": _INT_AT_LEAST_1,
     "PRETRAIN.CROP_AREA": (_is_area_range, "(low, high) with 0 < low <= high <= 1"),

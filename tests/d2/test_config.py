@@ -31,6 +31,7 @@ OUT_OF_RANGE = [
     ("SOLVER.GATE_WEIGHT_DECAY", -1e-4, "a number >= 0"),
     ("SOLVER.GATE_LR_FACTOR", float("inf"), "a number >= 0"),
     ("SOLVER.GATE_LR_FACTOR", float("nan"), "a number >= 0"),
+    ("TEST.NORM_ANALYSIS.PERIOD", -1, "an int >= 0"),
     ("PRETRAIN.DATA", "", "'embedded' or an ImageFolder directory"),
     ("PRETRAIN.IMAGE_SIZE", 0, "an int >= 1"),
     ("PRETRAIN.CROP_AREA", (0.5, 0.2), "(low, high) with 0 < low <= high <= 1"),
