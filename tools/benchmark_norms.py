@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from sn_detection.engine.timing import (
-    WARMUP_ROUNDS, device_seconds, interleaved_seconds, positive_int, range_text, ratio_to,
+    WARMUP_ROUNDS, device_seconds, interleaved_seconds, output_file, positive_int, range_text, ratio_to,
 )  # fmt: skip
 from sn_detection.layers import NORM_NAMES, build_norm
 
@@ -163,7 +163,7 @@ def main():
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="full")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed forward + backward passes")
     parser.add_argument("--threads", type=positive_int, help="CPU threads (default: PyTorch's choice)")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--json", metavar="PATH", type=output_file, help="also write the rows as JSON")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -55,6 +55,7 @@ from ..layers import has_batch_statistics
 from ..pretraining import cached_backbone, cached_backbone_path
 from ..pretraining.model import pretrained_norm
 from .launch import load_cfg
+from .timing import output_file
 
 logger = logging.getLogger(__name__)
 
@@ -419,7 +420,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--jobs", type=int, default=1, metavar="N",
         help="runs at once, the threads (OMP_NUM_THREADS, else the cores) split between them (default: 1)",
     )  # fmt: skip
-    parser.add_argument("--publish", metavar="FILE", help="also write the table here, e.g. model_zoo/compare_norms.md")
+    parser.add_argument("--publish", metavar="FILE", type=output_file, help="also write the table here, e.g. model_zoo/compare_norms.md")
     parser.add_argument("--report-only", action="store_true", help="only write the tables and plots of finished runs")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides for every run")
     args = parser.parse_args(argv)
@@ -432,8 +433,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.settings = [parse_setting(text) for text in args.settings]
         if args.finetune:
             check_finetune_settings(args.settings)
-        if args.publish:
-            check_publish_path(args.publish)
     except ValueError as error:
         parser.error(str(error))
     return args
@@ -447,17 +446,6 @@ def check_finetune_settings(settings: Sequence[Setting]) -> None:
                 f"--finetune: setting {setting.name!r} has no backbone norm, and finetuning starts from a backbone "
                 f"pretrained with its norm; give the backbone one of {list(valid_norm_names())}"
             )
-
-
-def check_publish_path(path: str) -> None:
-    """The table is written to ``path`` after the first finished run: its folder must be there to take it."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ValueError(f"--publish {path!r} is a folder; it takes the file to write, e.g. model_zoo/compare_norms.md")
-    if not os.path.isdir(folder):
-        raise ValueError(f"--publish {path!r}: its folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"--publish {path!r}: its folder {folder} is not writable")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -3,6 +3,7 @@ shared machine hits every candidate alike, and ratios with their spread over the
 and per-norm configs of the tools that time a model per norm."""
 
 import argparse
+import os
 import statistics
 import time
 
@@ -67,6 +68,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def output_file(text: str) -> str:
+    """argparse ``type=`` of a file a tool writes after its work (``--json``, ``--publish``): checked
+    before the work, which can take hours."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give the file to write")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text!r}: its folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: its folder {folder} is not writable")
+    return text
+
+
 def norm_benchmark_parser(description: str, config_file: str, norms: str, reference: str, rounds: int):
     """The options of the tools that time a model per norm: the config, the norms (``reference``: always
     timed, first), the timed rounds, CPU threads, a JSON file for the rows, KEY VALUE config overrides."""
@@ -77,7 +91,7 @@ def norm_benchmark_parser(description: str, config_file: str, norms: str, refere
         "--rounds", type=positive_int, default=rounds, help=f"timed rounds (after {WARMUP_ROUNDS} warm-up rounds)"
     )
     parser.add_argument("--threads", type=positive_int, help="CPU threads (default: PyTorch's choice)")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--json", metavar="PATH", type=output_file, help="also write the rows as JSON")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides")
     return parser
 

@@ -207,10 +207,10 @@ def test_publish_into_a_missing_folder_is_refused_up_front(tmp_path, capsys):
     missing = tmp_path / "missing" / "results.md"
     with pytest.raises(SystemExit):
         compare_norms.parse_args(["--publish", str(missing)])
-    assert f"--publish '{missing}': its folder {missing.parent} does not exist" in capsys.readouterr().err
+    assert f"argument --publish: '{missing}': its folder {missing.parent} does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         compare_norms.parse_args(["--publish", str(tmp_path)])
-    assert f"--publish '{tmp_path}' is a folder" in capsys.readouterr().err
+    assert f"argument --publish: '{tmp_path}' is a folder" in capsys.readouterr().err
     assert compare_norms.parse_args(["--publish", str(tmp_path / "results.md")]).publish == str(tmp_path / "results.md")
 
 

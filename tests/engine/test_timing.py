@@ -2,13 +2,14 @@
 medians and their spread over the rounds; the model benchmarks' shared options (counts of at least 1),
 norm list and per-norm configs (each validated)."""
 
+import argparse
 import os
 import time
 
 import pytest
 import torch
 
-from sn_detection.engine import load_cfg
+from sn_detection.engine import load_cfg, timing
 from sn_detection.engine.timing import (
     WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs, positive_int,
     range_text, ratio_to, timed_norms,
@@ -93,3 +94,16 @@ def test_a_norm_setting_the_config_cannot_build_is_refused_with_the_reason():
         norm_setting_cfgs(base, ["GN", "SN"], NORM_KEYS)
     with pytest.raises(ValueError, match=r"unknown norm 'XN'; valid names are \[.*'SN'"):
         norm_setting_cfgs(base, ["GN", "XN"], NORM_KEYS)
+
+
+def test_a_file_written_after_the_work_is_checked_before_it(tmp_path):
+    """--json and --publish are written when hours of timing or training are done: a folder that is not
+    there fails at once, naming it."""
+    assert timing.output_file(str(tmp_path / "rows.json")) == str(tmp_path / "rows.json")
+    with pytest.raises(argparse.ArgumentTypeError, match=f"its folder {tmp_path / 'absent'} does not exist"):
+        timing.output_file(str(tmp_path / "absent" / "rows.json"))
+    with pytest.raises(argparse.ArgumentTypeError, match="is a folder; give the file to write"):
+        timing.output_file(str(tmp_path))
+    parser = timing.norm_benchmark_parser("a tool", "cfg.yaml", "GN", "GN", 3)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--json", str(tmp_path / "absent" / "rows.json")])
