@@ -24,7 +24,7 @@ from typing import Mapping, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ..layers import DynamicNorm2d, ModeGroupNorm2d, ModeNorm2d, SwitchableNorm2d
+from ..layers import IDENTITY_KEY, DynamicNorm2d, ModeGroupNorm2d, ModeNorm2d, SwitchableNorm2d
 
 # SN's statistics, in the order of its logits.
 STATISTICS = ("IN", "LN", "BN")
@@ -181,7 +181,10 @@ def _channels(state_dict: Mapping[str, Tensor], prefix: str) -> int:
 
 
 def _loaded(module: nn.Module, state_dict: Mapping[str, Tensor], prefix: str) -> nn.Module:
+    """``module`` (built with default options) with the layer's tensors; its identity is left out, the
+    options being unknown here and immaterial to the gates read."""
     own = {key: state_dict[prefix + key] for key in module.state_dict() if prefix + key in state_dict}
+    own.pop(IDENTITY_KEY, None)
     try:
         module.load_state_dict(own)
     except RuntimeError as error:

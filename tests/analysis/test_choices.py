@@ -36,9 +36,10 @@ class Parts(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.stem = set_logits(SwitchableNorm2d(8), [0.2, 0.3, 0.5], [0.6, 0.3, 0.1])
+        # options other than the defaults the state-dict analysis builds with
+        self.stem = set_logits(SwitchableNorm2d(8, eps=1e-3), [0.2, 0.3, 0.5], [0.6, 0.3, 0.1])
         self.head = set_logits(SyncSwitchableNorm2d(8, use_bn=False), [0.25, 0.75], [0.9, 0.1])
-        self.dn = DynamicNorm2d(16, init_groups=4, init_batch_pool=True)
+        self.dn = DynamicNorm2d(16, eps=1e-4, init_groups=4, init_batch_pool=True)
         self.gn = GroupNorm2d(8, num_groups=4)
         self.bn = nn.BatchNorm2d(8)
         self.mn = ModeNorm2d(8, num_modes=3)
