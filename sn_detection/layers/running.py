@@ -18,9 +18,9 @@ Buffers, with torch's names: ``running_mean``, ``running_var`` (shape (C,), or (
 The MN line is the paper's Alg. 2 (momentum on E[x] and E[x^2]) written for the variance: it is the
 variance of that mixture, computed without subtracting two large second moments. A batch without values
 (an empty batch, a mode no sample chose) changes nothing, and one with a single value per channel (one
-image of 1x1 maps; for MN, a total gate weight of at most one value) only the mean: one value has no
-spread, and its variance of 0 would pull the estimate towards 0 until evaluation divides by sqrt(eps)
-(torch's BatchNorm refuses such a batch). ``running_var`` is the biased variance unless the class sets
+image of 1x1 maps) only the mean, except for MN: one value has no spread, and its variance of 0 would
+pull an average of batch variances towards 0 until evaluation divides by sqrt(eps) (torch's BatchNorm
+refuses such a batch); MN's estimate, the variance of the mixture, takes the value's distance instead. ``running_var`` is the biased variance unless the class sets
 ``unbiased_running_var`` (BNSR, like BatchNorm).
 
 The batch average (SN paper, Sec. 2.1, Inference): between ``start_batch_average()`` and
@@ -87,7 +87,7 @@ def moments_from_sums(sums: MomentSums, min_count: float = torch.finfo(torch.flo
 
 def running_target(sums: MomentSums, unbiased: bool) -> tuple[Tensor, Tensor]:
     """The mean and the variance a running estimate stores for ``sums``: biased, or with Bessel's
-    correction (BatchNorm's convention; the variance of a single value is not stored, see ``_has_spread``)."""
+    correction (BatchNorm's convention; the variance of a single value is not stored, see ``_variance_seen``)."""
     mean, var = moments_from_sums(sums)
     if unbiased:
         count = sums.count
@@ -133,12 +133,6 @@ def replaying() -> Iterator[None]:
 @torch.jit.unused
 def _is_replaying():
     return getattr(_replay, "active", False)
-
-
-def _has_spread(sums: MomentSums) -> Tensor:
-    """Whether ``sums`` hold more than one value (per row), so that their variance estimates a spread
-    (module docstring)."""
-    return sums.count > 1
 
 
 def _per_row(mask: Tensor, target: Tensor) -> Tensor:
@@ -194,8 +188,15 @@ class RunningMoments(FreezableNorm):
         # reading it would stall the host at every layer
         seen = sums.count > 0
         self.running_mean.copy_(torch.where(_per_row(seen, mean), old_mean.lerp(mean, self.momentum), old_mean))
-        self.running_var.copy_(torch.where(_per_row(_has_spread(sums), var), new_var, old_var))
+        self.running_var.copy_(torch.where(_per_row(self._variance_seen(sums), var), new_var, old_var))
         self.num_batches_tracked.add_(seen.any().long())
+
+    def _variance_seen(self, sums: MomentSums) -> Tensor:
+        """The rows of ``sums`` whose variance the estimate takes: those with more than one value, as one
+        value has no spread (module docstring); for MN any with values, its estimate being the variance of
+        the mixture of everything seen (to which one value contributes its distance from the mean), and
+        its counts gate weights rather than values."""
+        return sums.count > 0 if self.mixture_running_var else sums.count > 1
 
     def start_batch_average(self) -> None:
         """From now on, training-mode forwards pool their statistics instead of moving the running ones."""
@@ -215,7 +216,7 @@ class RunningMoments(FreezableNorm):
         seen = sums.count > 0
         with torch.no_grad():
             self.running_mean.copy_(torch.where(_per_row(seen, mean), mean, self.running_mean.double()))
-            self.running_var.copy_(torch.where(_per_row(_has_spread(sums), var), var, self.running_var.double()))
+            self.running_var.copy_(torch.where(_per_row(self._variance_seen(sums), var), var, self.running_var.double()))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         version = local_metadata.get("version")
