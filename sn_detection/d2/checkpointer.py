@@ -129,19 +129,19 @@ class CheckedCheckpointer(DetectionCheckpointer):
                              f"{error}\n{self._remedy()}") from error
         # detectron2 takes pixel_mean / pixel_std from the config when the checkpoint lacks them
         from_config = set(dict(self.model.named_buffers(recurse=False)))
+        model_keys = set(self.model.state_dict())
         # identities the file lacks: not reported by torch (``layers.identity``), not loaded either
-        unchecked = {key for key in self.model.state_dict() if key.endswith(IDENTITY_KEY)} - saved
-        shaped = {key for key, _, _ in incompatible.incorrect_shapes}
-        not_loaded = set(incompatible.missing_keys) | from_config | unchecked | shaped
-        if set(self.model.state_dict()) <= not_loaded:
+        unchecked = {key for key in model_keys if key.endswith(IDENTITY_KEY)} - saved
+        shaped = {key for key, _, _ in incompatible.incorrect_shapes}  # also reported missing: not loaded
+        if model_keys <= set(incompatible.missing_keys) | from_config | unchecked | shaped:
             raise ValueError(f"no tensor of {self._loading} fits the model{_mismatches(incompatible)}. Is it a "
                              "checkpoint of another architecture, or an ImageNet model to convert with "
                              "tools/convert_pretrained.py?")
         if self._whole_for:
-            self._check_whole(incompatible, from_config, unchecked)
+            self._check_whole(incompatible, model_keys, from_config, unchecked, shaped)
         return incompatible
 
-    def _check_whole(self, incompatible, from_config: set, unchecked: set) -> None:
+    def _check_whole(self, incompatible, model_keys: set, from_config: set, unchecked: set, shaped: set) -> None:
         """Every tensor of the model loaded, of its shape, and nothing else in the file (module docstring).
         Not counted: buffers that are no weights of this model -- those taken from the config, those it does
         not save (pixel_mean / pixel_std, which other detectron2 versions saved) and, when evaluating,
@@ -149,14 +149,13 @@ class CheckedCheckpointer(DetectionCheckpointer):
         needs it: its absence means another norm). Counted: the ``unchecked`` identities of our layers that
         the file lacks, which detectron2 does not report (``layers.identity``): BatchNorm's tensors would
         load into BNSR, GN's into PONO."""
-        unsaved = {name for name, _ in self.model.named_buffers()} - set(self.model.state_dict())
+        unsaved = {name for name, _ in self.model.named_buffers()} - model_keys
         no_weights = unsaved | from_config
         counter = self._whole_for == "evaluate"
 
         def counts(key: str) -> bool:
             return key not in no_weights and not (counter and key.endswith("num_batches_tracked"))
 
-        shaped = {key for key, _, _ in incompatible.incorrect_shapes}  # also reported missing: not loaded
         missing = ({key for key in incompatible.missing_keys if counts(key)} | unchecked) - shaped
         unexpected = [key for key in incompatible.unexpected_keys if counts(key)]
         if not (missing or unexpected or shaped):

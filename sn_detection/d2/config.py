@@ -35,7 +35,7 @@ from detectron2.config import CfgNode as CN
 from detectron2.modeling import META_ARCH_REGISTRY
 
 from ..layers import NORM_NAMES, NormFactory, norm_class, norm_options
-from ..layers.options import NON_NEGATIVE, is_int, is_number
+from ..layers.options import NON_NEGATIVE, POSITIVE_INT, is_int, is_number
 
 # The registered name of the meta-architecture that builds our norms with the config's options.
 SN_META_ARCHITECTURE = "SNMetaArch"
@@ -134,7 +134,6 @@ def _is_area_range(value) -> bool:
 
 
 _INT_AT_LEAST_0 = (lambda v: is_int(v) and v >= 0, "an int >= 0")
-_INT_AT_LEAST_1 = (lambda v: is_int(v) and v >= 1, "an int >= 1")
 
 # Keys that are no layer option: key -> (whether a value is valid, the valid values in words).
 _KEY_RULES = {
@@ -142,10 +141,10 @@ _KEY_RULES = {
     "SOLVER.GATE_LR_FACTOR": NON_NEGATIVE,
     "TEST.NORM_ANALYSIS.PERIOD": _INT_AT_LEAST_0,
     "PRETRAIN.DATA": (lambda v: isinstance(v, str) and v != "", "'embedded' or an ImageFolder directory"),
-    "PRETRAIN.IMAGE_SIZE": _INT_AT_LEAST_1,
+    "PRETRAIN.IMAGE_SIZE": POSITIVE_INT,
     "PRETRAIN.CROP_AREA": (_is_area_range, "(low, high) with 0 < low <= high <= 1"),
-    "PRETRAIN.IMS_PER_BATCH": _INT_AT_LEAST_1,
-    "PRETRAIN.MAX_ITER": _INT_AT_LEAST_1,
+    "PRETRAIN.IMS_PER_BATCH": POSITIVE_INT,
+    "PRETRAIN.MAX_ITER": POSITIVE_INT,
     "PRETRAIN.BASE_LR": NON_NEGATIVE,
     "PRETRAIN.WARMUP_ITERS": _INT_AT_LEAST_0,
     "PRETRAIN.MOMENTUM": (lambda v: is_number(v) and 0 < v < 1, "a number in (0, 1) (Nesterov momentum)"),
@@ -155,7 +154,7 @@ _KEY_RULES = {
     "PRETRAIN.BATCH_AVERAGE_BATCHES": _INT_AT_LEAST_0,
     "PRETRAIN.NUM_WORKERS": _INT_AT_LEAST_0,
     "PRETRAIN.EVAL_PERIOD": _INT_AT_LEAST_0,
-    "PRETRAIN.CHECKPOINT_PERIOD": _INT_AT_LEAST_1,
+    "PRETRAIN.CHECKPOINT_PERIOD": POSITIVE_INT,
     "PRETRAIN.OUTPUT_DIR": (lambda v: isinstance(v, str) and v != "", "a folder name"),
 }
 
@@ -176,7 +175,7 @@ def validate_sn_config(cfg: CN) -> None:
         _check(key, _value(cfg, key), is_valid, valid_values)
     if cfg.TEST.BATCH_AVERAGE.ENABLED:
         key = "TEST.BATCH_AVERAGE.NUM_BATCHES"
-        _check(key, _value(cfg, key), lambda v: is_int(v) and v >= 1, "an int >= 1 when TEST.BATCH_AVERAGE.ENABLED")
+        _check(key, _value(cfg, key), POSITIVE_INT.holds, "an int >= 1 when TEST.BATCH_AVERAGE.ENABLED")
     _check_meta_architecture(cfg)
 
 

@@ -34,6 +34,7 @@ from ..d2.checkpointer import check_resumed_iteration
 from ..d2.hooks import batch_average_hook, insert_before_evaluation
 from ..d2.norm_analysis import norm_analysis_hook
 from ..data.datasets import register_shapes_datasets
+from ..layers.options import POSITIVE_INT
 from .launch import launch_processes
 from .trainer import write_results
 
@@ -63,15 +64,15 @@ def batch_average_batches(train) -> int:
     if not averaging.get("enabled", False):
         return 0
     num_batches = averaging.get("num_batches")
-    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
+    if not POSITIVE_INT.holds(num_batches):
         raise ValueError(f"train.batch_average.num_batches={num_batches!r} is invalid: it must be an int >= 1 "
                          "when the batch average is enabled")
     return num_batches
 
 
-def training_hooks(cfg, model, trainer, checkpointer) -> list:
-    """detectron2's lazy-trainer hooks, with the batch average before checkpointing and evaluation and
-    the norm analysis before the writers."""
+def training_hooks(cfg, model, checkpointer, num_batches: int) -> list:
+    """detectron2's lazy-trainer hooks, with the batch average of ``num_batches`` (0: none) before
+    checkpointing and evaluation and the norm analysis before the writers."""
     main_process = comm.is_main_process()
     base = [
         hooks.IterationTimer(),
@@ -79,7 +80,6 @@ def training_hooks(cfg, model, trainer, checkpointer) -> list:
         hooks.PeriodicCheckpointer(checkpointer, **cfg.train.checkpointer) if main_process else None,
         hooks.EvalHook(cfg.train.eval_period, lambda: evaluate(cfg, model)),
     ]
-    num_batches = batch_average_batches(cfg.train)
     if num_batches:
         loader_cfg = copy.deepcopy(cfg.dataloader.train)
         loader_cfg.num_workers = 0  # as DefaultTrainer does for PreciseBN
@@ -96,7 +96,7 @@ def training_hooks(cfg, model, trainer, checkpointer) -> list:
 def train(cfg, resume: bool) -> None:
     """Train ``cfg`` with detectron2's lazy trainer, our hooks and checkpointer; the EvalHook evaluates
     after the last iteration."""
-    batch_average_batches(cfg.train)  # checked before anything is built
+    num_batches = batch_average_batches(cfg.train)  # checked before anything is built
     model = instantiate(cfg.model)
     logger.info("Model:\n%s", model)
     model.to(cfg.train.device)
@@ -106,7 +106,7 @@ def train(cfg, resume: bool) -> None:
     trainer = step_trainer(model, loader, optimizer, cfg.train.amp.enabled, "train.amp.enabled", **cfg.train.ddp)
     model = trainer.model
     checkpointer = CheckedCheckpointer(model, cfg.train.output_dir, trainer=trainer)
-    trainer.register_hooks(training_hooks(cfg, model, trainer, checkpointer))
+    trainer.register_hooks(training_hooks(cfg, model, checkpointer, num_batches))
     checkpointer.resume_or_load(cfg.train.init_checkpoint, resume=resume)
     # the checkpoint stores the iteration that finished: go on with the next one
     start_iter = trainer.iter + 1 if resume and checkpointer.has_checkpoint() else 0

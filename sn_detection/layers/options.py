@@ -48,5 +48,5 @@ def check_options(owner: Callable, rules: Mapping[str, Rule], **options) -> None
 
 def check_num_channels(owner: type, num_channels) -> None:
     """A layer's channel count must be a positive int (not a float, a bool or a string)."""
-    if not (is_int(num_channels) and num_channels >= 1):
+    if not POSITIVE_INT.holds(num_channels):
         raise ValueError(f"{owner.__name__}: num_channels must be a positive int, got {num_channels!r}")

@@ -20,8 +20,9 @@ variance of that mixture, computed without subtracting two large second moments.
 (an empty batch, a mode no sample chose) changes nothing, and one with a single value per channel (one
 image of 1x1 maps) only the mean, except for MN: one value has no spread, and its variance of 0 would
 pull an average of batch variances towards 0 until evaluation divides by sqrt(eps) (torch's BatchNorm
-refuses such a batch); MN's estimate, the variance of the mixture, takes the value's distance instead. ``running_var`` is the biased variance unless the class sets
-``unbiased_running_var`` (BNSR, like BatchNorm).
+refuses such a batch); MN's estimate, the variance of the mixture, takes the value's distance instead.
+``running_var`` is the biased variance unless the class sets ``unbiased_running_var`` (BNSR, like
+BatchNorm).
 
 The batch average (SN paper, Sec. 2.1, Inference): between ``start_batch_average()`` and
 ``finish_batch_average()`` training-mode forwards add their sums to a float64 ``MomentAccumulator``
