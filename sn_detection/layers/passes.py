@@ -126,13 +126,19 @@ def plain_scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor) -
     return torch.addcmul(shift[:, :, None, None], centered, scale[:, :, None, None]).to(x.dtype)
 
 
+# BatchNorm's evaluation kernels serve as fused passes with running_var 1 and no eps. torch 2.11 refuses
+# eps <= 0 in F.batch_norm (later releases in training only); 1e-300 is positive and changes nothing:
+# it rounds to 0 in float32 and vanishes against the variance 1 in float64.
+_NO_EPS = 1e-300
+
+
 def _torch_scale_shift(xs: Tensor, scale: Tensor, shift: Tensor, center: Tensor) -> Tensor:
     n, c = scale.shape
     if torch.is_grad_enabled() or xs.numel() == 0 or not xs.is_contiguous():
         return plain_scale_shift(xs, scale, shift, center)
     ones = scale.new_ones(n * c)
     with torch.autocast(xs.device.type, enabled=False):
-        y = F.batch_norm(xs.view(1, n * c, -1), center.reshape(-1), ones, scale.reshape(-1), shift.reshape(-1), False, 0.0, 0.0)
+        y = F.batch_norm(xs.view(1, n * c, -1), center.reshape(-1), ones, scale.reshape(-1), shift.reshape(-1), False, 0.0, _NO_EPS)
     # detached: not a view in autograd's eyes, so that a custom Function returning it allows an in-place
     # op after the layer (detectron2's ReLU)
     return y.view_as(xs).detach()
@@ -145,6 +151,6 @@ def _torch_centered_dot_and_sum(gy: Tensor, xs: Tensor, center: Tensor) -> tuple
     ones = xs.new_ones(n * c)
     _, dot, total = torch.ops.aten.native_batch_norm_backward(
         gy.reshape(1, n * c, -1), xs.reshape(1, n * c, -1), ones, center.reshape(-1), ones, center.reshape(-1), ones,
-        False, 0.0, [False, True, True],
+        False, _NO_EPS, [False, True, True],
     )
     return dot.view(n, c), total.view(n, c)

@@ -115,3 +115,27 @@ def test_output_can_be_modified_in_place(name):
     x_ref = x.detach().clone().requires_grad_()
     torch.relu(reference_forward(expected, x_ref)).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fast_path_runs_where_batch_norm_refuses_a_zero_eps(dtype, monkeypatch):
+    # torch 2.11's F.batch_norm raises for eps <= 0 even in evaluation mode, which the PyTorch path's fused
+    # affine pass (BatchNorm's evaluation kernel, variance 1) once passed; the eps it passes instead must
+    # leave the values those of the reference
+    batch_norm = torch.nn.functional.batch_norm
+
+    def refusing_zero_eps(*args, **kwargs):
+        eps = kwargs["eps"] if "eps" in kwargs else args[7]
+        if eps <= 0.0:
+            raise ValueError(f"batch_norm eps must be positive, but got {eps}")
+        return batch_norm(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "batch_norm", refusing_zero_eps)
+    layer = perturbed("SN", 16, dtype).train()
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 16, 7, 9, generator=generator, dtype=dtype) * 1.5 + 0.7
+    grad_y = torch.randn(x.shape, generator=generator, dtype=dtype)
+    fast = forward_backward(lambda module, inp: module(inp), copy.deepcopy(layer), x, grad_y)
+    reference = forward_backward(reference_forward, layer, x, grad_y)
+    torch.testing.assert_close(fast[0], reference[0], rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    torch.testing.assert_close(fast[1]["x"], reference[1]["x"], rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
