@@ -3,7 +3,7 @@
 
 Not a test: a measurement to run by hand, on CPU and, when available, CUDA:
 
-    python tools/benchmark_norms.py [--shapes small] [--repeats 5] [--threads N] [--json results.json]
+    python tools/benchmark_norms.py [--shapes small] [--repeats 5] [--threads N] [--device cuda] [--json results.json]
 
 Shapes are those of detection: two FPN levels at batch 2 (2, 256, 200, 336) and (2, 256, 100, 168), the
 RoI box head (512, 256, 14, 14) and a stem-sized map (2, 64, 400, 672). Each layer runs in training mode in
@@ -163,12 +163,18 @@ def main():
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="full")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed forward + backward passes")
     parser.add_argument("--threads", type=positive_int, help="CPU threads (default: PyTorch's choice)")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], action="append", help="time on this device only (repeatable; default: "
+        "the CPU, and CUDA where available)"
+    )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", type=output_file, help="also write the rows as JSON")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if "cuda" in (args.device or []) and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
 
-    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    devices = [torch.device(name) for name in dict.fromkeys(args.device or ["cpu"] + ["cuda"] * torch.cuda.is_available())]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
     if torch.cuda.is_available():
         print(f"CUDA device: {torch.cuda.get_device_name()}")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,3 +37,9 @@ def test_benchmark_train_refuses_a_norm_the_meta_architecture_cannot_build():
 def test_benchmark_train_refuses_an_unknown_norm_with_the_valid_names():
     result = tool("benchmark_train.py", "--rounds", "1", "--norms", "XN")
     assert result.returncode != 0 and "unknown norm 'XN'; valid names are [" in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no CUDA device")
+def test_benchmark_norms_refuses_cuda_where_there_is_none():
+    result = tool("benchmark_norms.py", "--device", "cuda")
+    assert result.returncode == 2 and "--device cuda: torch sees no CUDA device" in result.stderr
