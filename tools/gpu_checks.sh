@@ -9,7 +9,8 @@
 #        (256 over 8), fp32 and with AMP, and the hours per ImageNet epoch at that speed; plus one loader
 #        worker on this machine's CPU, on synthetic 500 x 375 JPEGs (tools/benchmark_pretrain.py);
 #      - train.json: a Mask R-CNN R50-FPN training step and inference at 2 images of 800 px per GPU, the
-#        SN paper's detection setting, on images of the embedded detection set (tools/benchmark_train.py).
+#        SN paper's detection setting, on images of the embedded detection set, generated on first use
+#        (tools/benchmark_train.py).
 #
 #     tools/gpu_checks.sh OUTDIR        # PYTHON=... picks the interpreter (default: python)
 #
@@ -45,6 +46,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee 
 
 workers=$("$py" -c "import xdist, os; print(min(8, os.cpu_count()))" 2>/dev/null)
 step kernels 180 "$py" -m pytest -q ${workers:+-n $workers} tests/kernels
+step "cuda tests" 120 "$py" -m pytest -q ${workers:+-n $workers} -k cuda tests/d2/test_mixed_precision.py tests/d2/test_trainers.py
 
 jpegs=$(mktemp -d)
 step jpegs 60 "$py" - "$jpegs/train/synthetic" <<'EOF'
@@ -72,11 +74,9 @@ rm -rf "$jpegs"
 
 step norms 150 "$py" tools/benchmark_norms.py --device cuda --repeats 20 --json "$out/norms.json"
 
-step train 200 "$py" tools/benchmark_train.py --config-file configs/mask_rcnn_gn_2x.yaml --norms GN,SN,DN,MGN,FrozenBN \
+step train 400 "$py" tools/benchmark_train.py --config-file configs/mask_rcnn_gn_2x.yaml --norms GN,SN,DN,MGN,FrozenBN \
   --rounds 10 --json "$out/train.json" MODEL.DEVICE cuda DATASETS.TRAIN '("sn_shapes_train",)' SOLVER.IMS_PER_BATCH 2 \
   INPUT.MASK_FORMAT bitmask
-
-step "cuda tests" 120 "$py" -m pytest -q ${workers:+-n $workers} -k cuda tests/d2/test_mixed_precision.py tests/d2/test_trainers.py
 
 echo "gpu_checks: exit $status (log: $log)"
 exit $status
