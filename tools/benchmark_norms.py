@@ -174,7 +174,8 @@ def main():
     if "cuda" in (args.device or []) and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
 
-    devices = [torch.device(name) for name in dict.fromkeys(args.device or ["cpu"] + ["cuda"] * torch.cuda.is_available())]
+    available = ["cpu"] + ["cuda"] * torch.cuda.is_available()
+    devices = [torch.device(name) for name in dict.fromkeys(args.device or available)]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
     if torch.cuda.is_available():
         print(f"CUDA device: {torch.cuda.get_device_name()}")
