@@ -49,12 +49,19 @@ _TRITON = _triton_version_ok()
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def uses_triton(x: Tensor) -> bool:
-    """Whether the passes over ``x`` run as Triton kernels (module docstring)."""
-    if not _TRITON or torch.is_grad_enabled() or x.dtype not in _KERNEL_DTYPES:
+def kernel_path(x: Tensor) -> bool:
+    """Whether ``x`` is a tensor the Triton kernels take: on CUDA (or on the CPU under Triton's interpreter),
+    float32, float16 or bfloat16, NCHW-contiguous or channels_last (module docstring)."""
+    if not _TRITON or x.dtype not in _KERNEL_DTYPES:
         return False
     on_device = x.is_cuda or (triton_kernels.interpreting() and x.device.type == "cpu")
     return on_device and (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last))
+
+
+def uses_triton(x: Tensor) -> bool:
+    """Whether the passes over ``x`` run as Triton kernels: on the kernel path, and not tracked by autograd
+    (under create_graph every pass is plain tensor code)."""
+    return not torch.is_grad_enabled() and kernel_path(x)
 
 
 def moments(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -40,12 +40,12 @@ statistics left alone: ``running.replaying``).
 """
 
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from . import passes
+from . import fused, passes
 from .freezing import FreezableNorm
 from .passes import plain_scale_shift, stat_dtype
 from .running import replaying
@@ -156,9 +156,23 @@ class MomentNormalizer(FreezableNorm):
         if torch.jit.is_scripting():  # plain operations, see plain_moments
             mean, var = plain_moments(x)
             return plain_scale_shift(x, *self.scale_and_shift(mean, var, spatial_size), mean)
+        return self._normalize(x, spatial_size)
+
+    @torch.jit.unused
+    def _normalize(self, x: Tensor, spatial_size: int) -> Tensor:
         self._follow_freezing()
         affine = functools.partial(self.scale_and_shift, spatial_size=spatial_size)
+        kernels = self.fused_statistics(x) if passes.kernel_path(x) and x.numel() > 0 else None
+        if kernels is not None:
+            replay = functools.partial(reference_normalize_by_moments, affine=affine)
+            return fused.normalize(x, kernels, tuple(self.parameters()), replay)
         return normalize_by_moments(x, affine, tuple(self.parameters()))
+
+    @torch.jit.unused
+    def fused_statistics(self, x: Tensor) -> Optional["fused.FusedStatistics"]:
+        """The layer's fused (N, C) kernels for the non-empty kernel-path input ``x`` (``fused``), or None
+        where they do not apply: the autograd path then runs."""
+        return None
 
 
 def reference_normalize_by_moments(x: Tensor, affine: AffineFromMoments) -> Tensor:

@@ -36,6 +36,8 @@ layer is exactly ``SwitchableNorm2d``.
 """
 
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
@@ -45,6 +47,7 @@ from .identity import NormIdentity
 from .options import BOOLEAN, FRACTION, POSITIVE, check_num_channels, check_options
 from .running import MomentSums, RunningMoments, group_sums, moments_from_sums
 from .statistics import MomentNormalizer, affine_from_moments, layer_moments
+from .switchable_kernels import SwitchableKernels
 
 
 class SwitchableNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
@@ -98,6 +101,12 @@ class SwitchableNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module
         var = _mix(self.var_weight, variances)
         return affine_from_moments(self.weight, self.bias, offset, var, self.eps)
 
+    @torch.jit.unused
+    def fused_statistics(self, x: Tensor) -> Optional[SwitchableKernels]:
+        if self.use_bn and self._batch_average is not None:  # the batch average pools float64 sums
+            return None
+        return SwitchableKernels(self, x)
+
     def _batch_branch(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         if not self.training:
             return self.running_mean.to(mean_in.dtype), self.running_var.to(mean_in.dtype)
@@ -114,18 +123,28 @@ class SwitchableNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module
 class SyncSwitchableNorm2d(SwitchableNorm2d):
     """SN whose BN branch pools statistics over all processes of the default process group."""
 
+    @torch.jit.unused
+    def fused_statistics(self, x: Tensor) -> Optional[SwitchableKernels]:
+        if self.training and self.use_bn and _several_processes():  # the all-reduce sits inside the graph
+            return None
+        return super().fused_statistics(x)
+
     def _reduce(self, sums: MomentSums) -> MomentSums:
         if torch.jit.is_scripting():
             raise RuntimeError(
                 "SyncSwitchableNorm2d cannot all-reduce under TorchScript (torch.distributed's differentiable "
                 "all_reduce is Python only): run a scripted model in evaluation mode"
             )
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if not _several_processes():
             return sums
         # one collective for all three float64 sums; a process with an empty batch contributes zeros
         packed = dist_fn.all_reduce(torch.cat([sums.count.view(1), sums.total, sums.total_sq]))
         count, total, total_sq = packed.split([1, self.num_channels, self.num_channels])
         return MomentSums(count.squeeze(0), total, total_sq)
+
+
+def _several_processes() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _mix(logits: Tensor, statistics: list[Tensor]) -> Tensor:

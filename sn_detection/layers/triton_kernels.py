@@ -92,7 +92,7 @@ except ImportError:  # the caller checks available() and keeps its PyTorch path
     triton = None
     tl = None
 
-__all__ = ["available", "interpreting", "moments", "scale_shift", "centered_dot_and_sum", "grad_input"]
+__all__ = ["available", "interpreting", "launch", "moments", "scale_shift", "centered_dot_and_sum", "grad_input"]
 
 # triton.jit reads TRITON_INTERPRET when the kernels below are decorated, i.e. at import: the same moment
 # is recorded here, to tell whether CPU tensors can be run.
@@ -259,6 +259,21 @@ if triton is not None:
 # --------------------------------------------------------------------------------------------------
 
 
+# Called around every kernel launch, when set (``launches.count_dispatch``): a context manager factory
+# taking the kernel's name.
+launch_observer = None
+
+
+def launch(kernel, grid: tuple, *args, **meta) -> None:
+    """``kernel[grid](*args, **meta)``, seen by ``launch_observer``: every kernel of the package is launched
+    here, so that a launch count sees them all."""
+    if launch_observer is None:
+        kernel[grid](*args, **meta)
+        return
+    with launch_observer(getattr(kernel, "__name__", repr(kernel))):
+        kernel[grid](*args, **meta)
+
+
 def _next_pow2(value: int) -> int:
     return 1 << max(value - 1, 0).bit_length()
 
@@ -337,13 +352,13 @@ def moments(x: Tensor) -> tuple[Tensor, Tensor]:
     channels_last = _layout(x, "x")
     n, c, h, w = x.shape
     hw = h * w
-    mean = torch.zeros((n, c), dtype=torch.float32, device=x.device)
-    var = torch.zeros((n, c), dtype=torch.float32, device=x.device)
     if n * c == 0 or hw == 0:  # an empty map has mean 0 and variance 0, like passes.torch_moments
-        return mean, var
+        return x.new_zeros((n, c), dtype=torch.float32), x.new_zeros((n, c), dtype=torch.float32)
+    mean = torch.empty((n, c), dtype=torch.float32, device=x.device)  # every map is written
+    var = torch.empty((n, c), dtype=torch.float32, device=x.device)
     block_c, block_hw = _tile_shape(c, hw, channels_last)
     c_blocks = triton.cdiv(c, block_c)
-    _moments_kernel[(n * c_blocks,)](
+    launch(_moments_kernel, (n * c_blocks,),
         x, mean, var, c, hw, c_blocks,
         CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw, num_warps=_NUM_WARPS,
     )
@@ -364,7 +379,7 @@ def scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor | None =
     n, c, h, w = x.shape
     block_c, block_hw = _tile_shape(c, h * w, channels_last)
     c_blocks, hw_blocks = triton.cdiv(c, block_c), triton.cdiv(h * w, block_hw)
-    _scale_shift_kernel[(n * c_blocks * hw_blocks,)](
+    launch(_scale_shift_kernel, (n * c_blocks * hw_blocks,),
         x, y, scale, shift, center, c, h * w, c_blocks, hw_blocks,
         HAS_CENTER=has_center, CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw,
         num_warps=_NUM_WARPS,
@@ -379,13 +394,13 @@ def centered_dot_and_sum(grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Ten
     channels_last = _check_same_layout(grad_y, x)
     center = _map_vector(center, x, "center")
     n, c, h, w = x.shape
-    dot = torch.zeros((n, c), dtype=torch.float32, device=x.device)
-    total = torch.zeros((n, c), dtype=torch.float32, device=x.device)
     if n * c == 0 or h * w == 0:
-        return dot, total
+        return x.new_zeros((n, c), dtype=torch.float32), x.new_zeros((n, c), dtype=torch.float32)
+    dot = torch.empty((n, c), dtype=torch.float32, device=x.device)  # every map is written
+    total = torch.empty((n, c), dtype=torch.float32, device=x.device)
     block_c, block_hw = _tile_shape(c, h * w, channels_last)
     c_blocks = triton.cdiv(c, block_c)
-    _centered_dot_and_sum_kernel[(n * c_blocks,)](
+    launch(_centered_dot_and_sum_kernel, (n * c_blocks,),
         grad_y, x, center, dot, total, c, h * w, c_blocks,
         CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw, num_warps=_NUM_WARPS,
     )
@@ -405,7 +420,7 @@ def grad_input(grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, c
     n, c, h, w = x.shape
     block_c, block_hw = _tile_shape(c, h * w, channels_last)
     c_blocks, hw_blocks = triton.cdiv(c, block_c), triton.cdiv(h * w, block_hw)
-    _grad_input_kernel[(n * c_blocks * hw_blocks,)](
+    launch(_grad_input_kernel, (n * c_blocks * hw_blocks,),
         grad_y, x, grad_x, scale, p, q, center, c, h * w, c_blocks, hw_blocks,
         CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw, num_warps=_NUM_WARPS,
     )

@@ -1,0 +1,94 @@
+"""The fused path of the moment-based normalizers on GPUs: a layer's forward and backward in six kernels.
+
+``statistics.normalize_by_moments`` runs a layer's (N, C) statistics (LN and BN moments, mixtures, running
+statistics, and autograd through all of it) as separate tensor operations: 80 to 600 of them per forward
+and backward, each a kernel launch on a GPU that costs host time whatever it computes. Here a layer that
+has fused kernels (``FusedStatistics``) runs as
+
+    forward:   moments(x) -> [mean, var] -> one kernel: scale, shift (and the running statistics)
+               -> scale_shift(x)
+    backward:  centered_dot_and_sum(grad_y, x) -> [D, S] -> one kernel: p, q and every parameter's
+               gradient, in closed form -> grad_input(grad_y, x)
+
+where D = sum_HW grad_y (x - mean) and S = sum_HW grad_y per (n, c), and the closed forms are the
+derivatives of the layer's small (N, C) graph, written out by hand for each layer (its kernel module says
+how). The full-size passes are ``triton_kernels``'; the fused (N, C) kernels are the layers' own
+(``switchable_kernels``, ...). The autograd path (``statistics._NormalizeByMoments`` differentiating the
+layer's ``scale_and_shift``) computes the same and stays as the tests' oracle and as the path wherever
+the fused one does not apply:
+
+- tensors the kernels do not take (``passes.kernel_path``: CPU tensors outside Triton's interpreter,
+  float64, other layouts);
+- a running batch average (its sums pool in float64 on the host side of the layer);
+- a layer's own exclusions (SyncSN across several processes, whose all-reduce sits inside its graph);
+- a differentiable backward (``create_graph``): it replays the plain computation, as the autograd path does.
+
+Nothing in the fused path reads a value on the host: a training step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from . import passes
+from .running import replaying
+
+
+class FusedStatistics(Protocol):
+    """A layer's fused (N, C) kernels for one call: made by the layer's ``fused_statistics(x)``."""
+
+    def forward(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        """(scale, shift) of the output (x - mean) * scale + shift from the IN moments (N, C), and the
+        tensors ``backward`` needs; records the running statistics in training."""
+
+    def backward(
+        self, mean: Tensor, var: Tensor, saved: Sequence[Tensor], parameters: Sequence[Tensor], dot: Tensor,
+        total: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, list[Optional[Tensor]]]:
+        """From D and S: (scale, p, q, gradients of the layer's ``parameters``, in their order), with
+        grad_x = grad_y * scale + (x - mean) * p + q."""
+
+
+def normalize(x: Tensor, kernels: FusedStatistics, parameters: Sequence[Tensor], replay) -> Tensor:
+    """The layer's output through its fused kernels: one autograd node when anything needs a gradient.
+    ``replay(x)`` is the layer's plain differentiable computation, for a backward with create_graph."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in parameters)):
+        return _FusedNormalize.apply(x, kernels, replay, *parameters)
+    mean, var = passes.moments(x)
+    scale, shift, _ = kernels.forward(mean, var)
+    return passes.scale_shift(x, scale, shift, mean)
+
+
+class _FusedNormalize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, kernels: FusedStatistics, replay, *parameters: Tensor):
+        mean, var = passes.moments(x)
+        scale, shift, saved = kernels.forward(mean, var)
+        ctx.save_for_backward(x, mean, var, *saved, *parameters)
+        ctx.kernels, ctx.replay, ctx.num_saved = kernels, replay, len(saved)
+        return passes.scale_shift(x, scale, shift, mean)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        x, mean, var, *rest = ctx.saved_tensors
+        saved, parameters = rest[: ctx.num_saved], rest[ctx.num_saved :]
+        if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
+            return _replayed_gradients(ctx, x, parameters, grad_y)
+        dot, total = passes.centered_dot_and_sum(grad_y, x, mean)
+        scale, p, q, grad_parameters = ctx.kernels.backward(mean, var, saved, parameters, dot, total)
+        grad_x = passes.grad_input(grad_y, x, scale, p, q, mean) if ctx.needs_input_grad[0] else None
+        wanted = ctx.needs_input_grad[3:]
+        return (grad_x, None, None, *(g if needed else None for g, needed in zip(grad_parameters, wanted)))
+
+
+def _replayed_gradients(ctx, x: Tensor, parameters: Sequence[Tensor], grad_y: Tensor) -> tuple:
+    with torch.enable_grad(), replaying():
+        y = ctx.replay(x)
+    needs = ctx.needs_input_grad
+    wanted = [t for t, needed in zip((x, *parameters), (needs[0], *needs[3:])) if needed]
+    grads = iter(torch.autograd.grad(y, wanted, grad_y, create_graph=True, allow_unused=True))
+    grad_x = next(grads) if needs[0] else None
+    return (grad_x, None, None, *(next(grads) if needed else None for needed in needs[3:]))

@@ -1,0 +1,103 @@
+"""What a layer's training step asks of the device, counted on any machine: kernel launches, allocations and
+host synchronisations.
+
+On a GPU each kernel launch costs microseconds of host time whatever it computes, so a layer made of many
+small operations is bound by its launches, not by its arithmetic. The launches can be counted without a GPU:
+every ATen operation reaches the dispatcher, where a ``TorchDispatchMode`` sees it, and every Triton kernel of
+this package is launched through ``triton_kernels.launch``. Counted:
+
+- ``launches``: ATen operations that compute something (each is at least one kernel on a GPU) plus Triton
+  launches. Views (``expand``, ``view``, ``detach``, ...) and allocations launch nothing and are not
+  counted; the ATen work Triton's interpreter does to run a kernel on the CPU is not seen either.
+- ``allocations``: ``empty``-like operations (no kernel; the caching allocator serves them on the host).
+- ``syncs``: operations that make the host wait for the device: reading a value (``item``, ``bool``, an
+  ``if`` on a tensor: ``aten._local_scalar_dense``) or computing a shape from values (``nonzero``, boolean
+  indexing, ``unique``, ...). A layer that has none can be captured in a CUDA graph.
+
+Run on the kernel path (a CUDA GPU, or the CPU under ``TRITON_INTERPRET=1``) these are the counts a GPU
+profiler reports, within a few percent (a few ATen operations launch two kernels on a GPU).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Callable, Iterator, NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import triton_kernels
+
+_ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+_SYNCS = frozenset({
+    "_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "unique", "_unique", "_unique2",
+    "unique_consecutive", "unique_dim", "equal", "is_nonzero", "_assert_async", "repeat_interleave",
+})  # fmt: skip
+
+
+class DispatchCount(NamedTuple):
+    """Counts of one call (module docstring); ``operations`` names each launch, ``"triton:<kernel>"`` for
+    Triton's."""
+
+    launches: int
+    allocations: int
+    syncs: int
+    operations: collections.Counter
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.operations = collections.Counter()
+        self.allocations = 0
+        self.syncs = 0
+        self._in_triton = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._in_triton:
+            name = func.overloadpacket.__name__
+            if name in _SYNCS:
+                self.syncs += 1
+            if name in _ALLOCATIONS:
+                self.allocations += 1
+            elif not func.is_view:
+                self.operations[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def triton_launch(self, kernel: str) -> Iterator[None]:
+        self.operations["triton:" + kernel] += 1
+        self._in_triton += 1
+        try:
+            yield
+        finally:
+            self._in_triton -= 1
+
+
+def count_dispatch(function: Callable[[], object]) -> DispatchCount:
+    """Runs ``function()`` and counts what it dispatched (module docstring)."""
+    counter = _Counter()
+    previous = triton_kernels.launch_observer
+    triton_kernels.launch_observer = counter.triton_launch
+    try:
+        with counter:
+            function()
+    finally:
+        triton_kernels.launch_observer = previous
+    return DispatchCount(sum(counter.operations.values()), counter.allocations, counter.syncs, counter.operations)
+
+
+def count_training_step(layer: nn.Module, x: Tensor, grad_y: Tensor) -> DispatchCount:
+    """The counts of one training forward and backward of ``layer`` on ``x`` (which gets a gradient too),
+    its parameters' gradients set to None first, as ``zero_grad`` leaves them."""
+    layer.train()
+    for parameter in layer.parameters():
+        parameter.grad = None
+    x = x.detach().requires_grad_()
+
+    def step():
+        layer(x).backward(grad_y)
+
+    return count_dispatch(step)

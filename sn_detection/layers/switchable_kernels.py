@@ -1,0 +1,318 @@
+"""Switchable Normalization's (N, C) statistics in one forward and one backward kernel (``fused``).
+
+Forward, from the IN moments m, v (N, C) (``switchable``; LN and BN moments by the law of total variance):
+
+    mu_ln[n] = mean_c m,   var_ln[n] = mean_c v + mean_c (m - mu_ln)^2      (the same over n for BN)
+    offset   = a_ln (mu_ln - m) + a_bn (mu_bn - m),    var = b_in v + b_ln var_ln + b_bn var_bn
+    scale    = gamma r,   r = (var + eps)^(-1/2),   shift = beta - offset * scale
+
+with a = softmax(mean_weight), b = softmax(var_weight); the output is (x - m) * scale + shift. In
+evaluation mu_bn, var_bn are the running statistics; in training the kernel also moves them.
+
+Backward, from D = sum_HW grad_y (x - m) and S = sum_HW grad_y: the output's gradients with respect to scale
+and shift are D and S, and the centring at m adds -scale * S to m's. With
+
+    E = D - S * offset   (the gradient reaching scale through both terms),
+    G = -E * scale * r^2 / 2   (reaching var),   H = -S * scale   (reaching offset),
+
+the parameters' gradients are grad gamma = sum_n E r, grad beta = sum_n S, and for the logits the softmax's
+backward of grad b_k = sum_{n,c} G var_k and grad a_k = sum_{n,c} H (mu_k - m) (a_in's branch has offset 0).
+Pooled statistics pass their gradients back to each (n, c) by d mu_ln / dm = 1 / C and
+d var_ln / dm = 2 (m - mu_ln) / C, d var_ln / dv = 1 / C (the mean's own term cancels: the deviations sum to
+0), likewise over n with 1 / N in training:
+
+    g_m = -(a_ln + a_bn) H + a_ln sum_c H / C + 2 b_ln sum_c G (m - mu_ln) / C
+          + a_bn sum_n H / N + 2 b_bn sum_n G (m - mu_bn) / N - scale * S
+    g_v = b_in G + b_ln sum_c G / C + b_bn sum_n G / N
+
+and grad_x = grad_y * scale + (x - m) p + q with p = 2 g_v / HW, q = g_m / HW (``statistics``).
+
+Programs. Each program owns BLOCK_C channels: their BN statistics, running statistics and parameter
+gradients are its own; the sums over channels (LN statistics, sum_c G and sum_c H) it recomputes for every
+sample from all channels, which costs a read of the (N, C) moments per program and spares a second launch.
+Everything is float32, LN and BN variances two-pass, so accurate whatever a channel's mean-to-spread ratio.
+The branches' sums over all (n, c) are made by every program and stored by the first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .triton_kernels import launch, tl, triton
+
+_TILE = 2048  # elements of one [BLOCK_N, BLOCK_C] tile
+_MAX_BLOCK_C = 64
+
+if triton is not None:
+
+    @triton.jit
+    def _branch_weights(logits_ptr, NUM_BRANCHES: tl.constexpr):
+        # softmax of the 2 or 3 logits [IN, LN, BN], as three scalars (the BN one 0 without the branch)
+        k = tl.arange(0, 4)
+        logits = tl.load(logits_ptr + k, mask=k < NUM_BRANCHES, other=float("-inf")).to(tl.float32)
+        e = tl.exp(logits - tl.max(logits, 0))
+        w = e / tl.sum(e, 0)
+        return tl.sum(tl.where(k == 0, w, 0.0), 0), tl.sum(tl.where(k == 1, w, 0.0), 0), tl.sum(tl.where(k == 2, w, 0.0), 0)
+
+    @triton.jit
+    def _logit_gradients(grad_ptr, weights_logits_ptr, g0, g1, g2, pid, NUM_BRANCHES: tl.constexpr):
+        # the softmax's backward: grad logit_j = w_j (g_j - sum_k w_k g_k), stored by the first program
+        k = tl.arange(0, 4)
+        logits = tl.load(weights_logits_ptr + k, mask=k < NUM_BRANCHES, other=float("-inf")).to(tl.float32)
+        e = tl.exp(logits - tl.max(logits, 0))
+        w = e / tl.sum(e, 0)
+        g = tl.where(k == 0, g0, tl.where(k == 1, g1, g2))
+        grad = w * (g - tl.sum(w * g, 0))
+        tl.store(grad_ptr + k, grad, mask=(k < NUM_BRANCHES) & (pid == 0))
+
+    @triton.jit
+    def _layer_moments(mean_ptr, var_ptr, rows, row_mask, N, C, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+        # mu_ln, var_ln of the samples ``rows`` over all channels, two-pass
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            mask = row_mask[:, None] & (cols < C)[None, :]
+            total += tl.sum(tl.load(mean_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0), 1)
+        mu = total / C
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            mask = row_mask[:, None] & (cols < C)[None, :]
+            offsets = rows[:, None] * C + cols[None, :]
+            m = tl.load(mean_ptr + offsets, mask=mask, other=0.0)
+            v = tl.load(var_ptr + offsets, mask=mask, other=0.0)
+            d = tl.where(mask, m - mu[:, None], 0.0)
+            total += tl.sum(v + d * d, 1)
+        return mu, total / C
+
+    @triton.jit
+    def _forward_kernel(
+        mean_ptr, var_ptr, weight_ptr, bias_ptr, mean_logits_ptr, var_logits_ptr,
+        running_mean_ptr, running_var_ptr, tracked_ptr, scale_ptr, shift_ptr, stats_ptr,
+        N, C, eps, momentum,
+        NUM_BRANCHES: tl.constexpr, BATCH_STATS: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
+        UPDATE_VAR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+        col_mask = cols < C
+        a_in, a_ln, a_bn = _branch_weights(mean_logits_ptr, NUM_BRANCHES)
+        b_in, b_ln, b_bn = _branch_weights(var_logits_ptr, NUM_BRANCHES)
+        gamma = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        beta = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+
+        # the BN branch of this program's channels: batch moments (two-pass) or the running ones
+        mu_bn = tl.zeros([BLOCK_C], dtype=tl.float32)
+        var_bn = tl.zeros([BLOCK_C], dtype=tl.float32)
+        if NUM_BRANCHES == 3:
+            if BATCH_STATS:
+                for n0 in range(0, N, BLOCK_N):
+                    rows = n0 + tl.arange(0, BLOCK_N)
+                    mask = (rows < N)[:, None] & col_mask[None, :]
+                    mu_bn += tl.sum(tl.load(mean_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0), 0)
+                mu_bn = mu_bn / N
+                for n0 in range(0, N, BLOCK_N):
+                    rows = n0 + tl.arange(0, BLOCK_N)
+                    mask = (rows < N)[:, None] & col_mask[None, :]
+                    offsets = rows[:, None] * C + cols[None, :]
+                    m = tl.load(mean_ptr + offsets, mask=mask, other=0.0)
+                    v = tl.load(var_ptr + offsets, mask=mask, other=0.0)
+                    d = tl.where(mask, m - mu_bn[None, :], 0.0)
+                    var_bn += tl.sum(v + d * d, 0)
+                var_bn = var_bn / N
+                if UPDATE_RUNNING:
+                    old = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                    tl.store(running_mean_ptr + cols, old + momentum * (mu_bn - old), mask=col_mask)
+                    if UPDATE_VAR:  # a batch of one value per channel has no spread to record
+                        old = tl.load(running_var_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                        tl.store(running_var_ptr + cols, old + momentum * (var_bn - old), mask=col_mask)
+                    if pid == 0:
+                        tl.store(tracked_ptr, tl.load(tracked_ptr) + 1)
+            else:
+                mu_bn = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                var_bn = tl.load(running_var_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            tl.store(stats_ptr + 2 * N + cols, mu_bn, mask=col_mask)
+            tl.store(stats_ptr + 2 * N + C + cols, var_bn, mask=col_mask)
+
+        for n0 in range(0, N, BLOCK_N):
+            rows = n0 + tl.arange(0, BLOCK_N)
+            row_mask = rows < N
+            mu_ln, var_ln = _layer_moments(mean_ptr, var_ptr, rows, row_mask, N, C, BLOCK_N, BLOCK_C)
+            tl.store(stats_ptr + rows, mu_ln, mask=row_mask & (pid == 0))
+            tl.store(stats_ptr + N + rows, var_ln, mask=row_mask & (pid == 0))
+            mask = row_mask[:, None] & col_mask[None, :]
+            offsets = rows[:, None] * C + cols[None, :]
+            m = tl.load(mean_ptr + offsets, mask=mask, other=0.0)
+            v = tl.load(var_ptr + offsets, mask=mask, other=0.0)
+            offset = a_ln * (mu_ln[:, None] - m) + a_bn * (mu_bn[None, :] - m)
+            var = b_in * v + b_ln * var_ln[:, None] + b_bn * var_bn[None, :]
+            scale = gamma[None, :] / tl.sqrt(var + eps)
+            tl.store(scale_ptr + offsets, scale, mask=mask)
+            tl.store(shift_ptr + offsets, beta[None, :] - offset * scale, mask=mask)
+
+    @triton.jit
+    def _gradient_terms(
+        mean_ptr, var_ptr, dot_ptr, total_ptr, offsets, mask, mu_ln, var_ln, mu_bn, var_bn, gamma, eps,
+        a_ln, a_bn, b_in, b_ln, b_bn,
+    ):
+        # per (n, c): m, v, S, scale, r, E, G, H of the module docstring
+        m = tl.load(mean_ptr + offsets, mask=mask, other=0.0)
+        v = tl.load(var_ptr + offsets, mask=mask, other=0.0)
+        dot = tl.load(dot_ptr + offsets, mask=mask, other=0.0)
+        total = tl.load(total_ptr + offsets, mask=mask, other=0.0)
+        offset = a_ln * (mu_ln[:, None] - m) + a_bn * (mu_bn[None, :] - m)
+        r = 1.0 / tl.sqrt(b_in * v + b_ln * var_ln[:, None] + b_bn * var_bn[None, :] + eps)
+        scale = gamma[None, :] * r
+        e = dot - total * offset
+        return m, v, total, scale, r, e, -0.5 * e * scale * r * r, -total * scale
+
+    @triton.jit
+    def _backward_kernel(
+        mean_ptr, var_ptr, stats_ptr, dot_ptr, total_ptr, weight_ptr, mean_logits_ptr, var_logits_ptr,
+        p_ptr, q_ptr, grad_weight_ptr, grad_bias_ptr, grad_mean_logits_ptr, grad_var_logits_ptr,
+        N, C, spatial, eps,
+        NUM_BRANCHES: tl.constexpr, BATCH_STATS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+        col_mask = cols < C
+        a_in, a_ln, a_bn = _branch_weights(mean_logits_ptr, NUM_BRANCHES)
+        b_in, b_ln, b_bn = _branch_weights(var_logits_ptr, NUM_BRANCHES)
+        gamma = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        mu_bn = tl.zeros([BLOCK_C], dtype=tl.float32)
+        var_bn = tl.zeros([BLOCK_C], dtype=tl.float32)
+        if NUM_BRANCHES == 3:
+            mu_bn = tl.load(stats_ptr + 2 * N + cols, mask=col_mask, other=0.0)
+            var_bn = tl.load(stats_ptr + 2 * N + C + cols, mask=col_mask, other=0.0)
+
+        # sums over the batch for this program's channels
+        grad_gamma = tl.zeros([BLOCK_C], dtype=tl.float32)
+        grad_beta = tl.zeros([BLOCK_C], dtype=tl.float32)
+        sum_g = tl.zeros([BLOCK_C], dtype=tl.float32)
+        sum_h = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            rows = n0 + tl.arange(0, BLOCK_N)
+            row_mask = rows < N
+            mask = row_mask[:, None] & col_mask[None, :]
+            mu_ln = tl.load(stats_ptr + rows, mask=row_mask, other=0.0)
+            var_ln = tl.load(stats_ptr + N + rows, mask=row_mask, other=0.0)
+            m, v, s, scale, r, e, g, h = _gradient_terms(
+                mean_ptr, var_ptr, dot_ptr, total_ptr, rows[:, None] * C + cols[None, :], mask,
+                mu_ln, var_ln, mu_bn, var_bn, gamma, eps, a_ln, a_bn, b_in, b_ln, b_bn,
+            )
+            grad_gamma += tl.sum(tl.where(mask, e * r, 0.0), 0)
+            grad_beta += tl.sum(s, 0)
+            sum_g += tl.sum(tl.where(mask, g, 0.0), 0)
+            sum_h += tl.sum(tl.where(mask, h, 0.0), 0)
+        tl.store(grad_weight_ptr + cols, grad_gamma, mask=col_mask)
+        tl.store(grad_bias_ptr + cols, grad_beta, mask=col_mask)
+
+        # per sample: the sums over all channels, then this program's p and q; on the way, the sums over
+        # all (n, c) that the logits need
+        grad_b_in = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+        grad_b_ln = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+        grad_b_bn = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+        grad_a_ln = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+        grad_a_bn = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            rows = n0 + tl.arange(0, BLOCK_N)
+            row_mask = rows < N
+            mu_ln = tl.load(stats_ptr + rows, mask=row_mask, other=0.0)
+            var_ln = tl.load(stats_ptr + N + rows, mask=row_mask, other=0.0)
+            row_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+            row_h = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for c0 in range(0, C, BLOCK_C):
+                all_cols = c0 + tl.arange(0, BLOCK_C)
+                all_mask = all_cols < C
+                mask = row_mask[:, None] & all_mask[None, :]
+                all_mu_bn = tl.zeros([BLOCK_C], dtype=tl.float32)
+                all_var_bn = tl.zeros([BLOCK_C], dtype=tl.float32)
+                if NUM_BRANCHES == 3:
+                    all_mu_bn = tl.load(stats_ptr + 2 * N + all_cols, mask=all_mask, other=0.0)
+                    all_var_bn = tl.load(stats_ptr + 2 * N + C + all_cols, mask=all_mask, other=0.0)
+                all_gamma = tl.load(weight_ptr + all_cols, mask=all_mask, other=0.0).to(tl.float32)
+                m, v, s, scale, r, e, g, h = _gradient_terms(
+                    mean_ptr, var_ptr, dot_ptr, total_ptr, rows[:, None] * C + all_cols[None, :], mask,
+                    mu_ln, var_ln, all_mu_bn, all_var_bn, all_gamma, eps, a_ln, a_bn, b_in, b_ln, b_bn,
+                )
+                g = tl.where(mask, g, 0.0)
+                h = tl.where(mask, h, 0.0)
+                row_g += tl.sum(g, 1)
+                row_h += tl.sum(h, 1)
+                grad_b_in += g * v
+                grad_b_ln += g * var_ln[:, None]
+                grad_b_bn += g * all_var_bn[None, :]
+                grad_a_ln += h * (mu_ln[:, None] - m)
+                grad_a_bn += h * (all_mu_bn[None, :] - m)
+            mask = row_mask[:, None] & col_mask[None, :]
+            offsets = rows[:, None] * C + cols[None, :]
+            m, v, s, scale, r, e, g, h = _gradient_terms(
+                mean_ptr, var_ptr, dot_ptr, total_ptr, offsets, mask,
+                mu_ln, var_ln, mu_bn, var_bn, gamma, eps, a_ln, a_bn, b_in, b_ln, b_bn,
+            )
+            grad_m = -(a_ln + a_bn) * h - scale * s + (a_ln * row_h[:, None] + 2 * b_ln * row_g[:, None] * (m - mu_ln[:, None])) / C
+            grad_v = b_in * g + b_ln * row_g[:, None] / C
+            if BATCH_STATS:
+                grad_m += (a_bn * sum_h[None, :] + 2 * b_bn * sum_g[None, :] * (m - mu_bn[None, :])) / N
+                grad_v += b_bn * sum_g[None, :] / N
+            tl.store(p_ptr + offsets, 2 * grad_v / spatial, mask=mask)
+            tl.store(q_ptr + offsets, grad_m / spatial, mask=mask)
+
+        _logit_gradients(grad_mean_logits_ptr, mean_logits_ptr, 0.0, tl.sum(tl.sum(grad_a_ln, 1), 0),
+                         tl.sum(tl.sum(grad_a_bn, 1), 0), pid, NUM_BRANCHES)
+        _logit_gradients(grad_var_logits_ptr, var_logits_ptr, tl.sum(tl.sum(grad_b_in, 1), 0),
+                         tl.sum(tl.sum(grad_b_ln, 1), 0), tl.sum(tl.sum(grad_b_bn, 1), 0), pid, NUM_BRANCHES)
+
+
+def _next_pow2(value: int) -> int:
+    return 1 << max(value - 1, 0).bit_length()
+
+
+def _blocks(n: int, c: int) -> tuple[int, int]:
+    block_c = min(_next_pow2(c), _MAX_BLOCK_C)
+    return min(_next_pow2(n), max(_TILE // block_c, 1)), block_c
+
+
+class SwitchableKernels:
+    """SN's fused (N, C) kernels for one call on an (N, C, H, W) input (``fused.FusedStatistics``)."""
+
+    def __init__(self, layer, x: Tensor):
+        self.layer = layer
+        n, c, h, w = x.shape
+        self.spatial = h * w
+        self.batch_stats = layer.training and layer.use_bn
+        # a batch of one value per channel moves the running mean only (``running``)
+        self.update_var = n * h * w > 1
+
+    def forward(self, mean: Tensor, var: Tensor):
+        layer = self.layer
+        n, c = mean.shape
+        scale, shift = torch.empty_like(mean), torch.empty_like(mean)
+        stats = mean.new_empty(2 * n + 2 * c)  # mu_ln, var_ln, mu_bn, var_bn: what backward needs
+        running = (layer.running_mean, layer.running_var, layer.num_batches_tracked) if layer.use_bn else (mean,) * 3
+        block_n, block_c = _blocks(n, c)
+        launch(
+            _forward_kernel, (triton.cdiv(c, block_c),),
+            mean, var, layer.weight, layer.bias, layer.mean_weight, layer.var_weight, *running, scale, shift, stats,
+            n, c, layer.eps, layer.momentum,
+            NUM_BRANCHES=3 if layer.use_bn else 2, BATCH_STATS=self.batch_stats, UPDATE_RUNNING=self.batch_stats,
+            UPDATE_VAR=self.update_var, BLOCK_N=block_n, BLOCK_C=block_c,
+        )  # fmt: skip
+        return scale, shift, (scale, stats)
+
+    def backward(self, mean: Tensor, var: Tensor, saved, parameters, dot: Tensor, total: Tensor):
+        layer = self.layer
+        scale, stats = saved
+        weight, _, mean_weight, var_weight = parameters
+        n, c = mean.shape
+        p, q = torch.empty_like(mean), torch.empty_like(mean)
+        grads = [torch.empty_like(t) for t in parameters]
+        block_n, block_c = _blocks(n, c)
+        launch(
+            _backward_kernel, (triton.cdiv(c, block_c),),
+            mean, var, stats, dot, total, weight, mean_weight, var_weight, p, q, *grads,
+            n, c, float(self.spatial), layer.eps,
+            NUM_BRANCHES=3 if layer.use_bn else 2, BATCH_STATS=self.batch_stats, BLOCK_N=block_n, BLOCK_C=block_c,
+        )  # fmt: skip
+        return scale, p, q, grads
