@@ -28,6 +28,8 @@ from torch import Tensor, nn
 from .identity import NormIdentity
 from .options import FRACTION, POSITIVE, check_num_channels, check_options
 from .running import RunningMoments, group_sums, moments_from_sums
+from . import passes
+from .skewness_kernels import SkewnessKernels, skewness_reduced
 from .statistics import check_input, instance_moments, scale_shift, stat_dtype
 
 
@@ -92,8 +94,21 @@ class SkewnessReducedBatchNorm2d(NormIdentity, RunningMoments, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.num_channels)
-        if not torch.jit.is_scripting():
-            self._follow_freezing()
+        if torch.jit.is_scripting():
+            return self._autograd_forward(x)
+        self._follow_freezing()
+        if passes.kernel_path(x) and x.numel() > 0 and self._batch_average is None:
+            return self._fused_forward(x)
+        return self._autograd_forward(x)
+
+    @torch.jit.unused
+    def _fused_forward(self, x: Tensor) -> Tensor:
+        kernels = SkewnessKernels(self, x)
+        return skewness_reduced(x, kernels, self.weight, self.bias, self._autograd_forward)
+
+    def _autograd_forward(self, x: Tensor) -> Tensor:
+        """The layer in tensor operations with autograd: the oracle of the kernels, and the path wherever
+        they do not apply (``fused``)."""
         mean, var = self._batch_statistics(x) if self.training else (self.running_mean, self.running_var)
         # buffers and parameters too: a model converted with .half() keeps fp16 ones
         dtype, (n, c) = stat_dtype(x), x.shape[:2]

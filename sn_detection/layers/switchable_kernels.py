@@ -299,6 +299,8 @@ class SwitchableKernels:
             NUM_BRANCHES=3 if layer.use_bn else 2, BATCH_STATS=self.batch_stats, UPDATE_RUNNING=self.batch_stats,
             UPDATE_VAR=self.update_var, BLOCK_N=block_n, BLOCK_C=block_c,
         )  # fmt: skip
+        if self.batch_stats:  # written in place by the kernel: autograd's checks of saved tensors see it
+            torch.autograd.graph.increment_version(running)
         return scale, shift, (scale, stats)
 
     def backward(self, mean: Tensor, var: Tensor, saved, parameters, dot: Tensor, total: Tensor):
