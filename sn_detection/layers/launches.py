@@ -16,6 +16,8 @@ this package is launched through ``triton_kernels.launch``. Counted:
 
 Run on the kernel path (a CUDA GPU, or the CPU under ``TRITON_INTERPRET=1``) these are the counts a GPU
 profiler reports, within a few percent (a few ATen operations launch two kernels on a GPU).
+``layer_counts`` counts every layer of ``build_norm`` beside torch's GroupNorm and BatchNorm
+(``tools/count_launches.py``).
 """
 
 from __future__ import annotations
@@ -28,13 +30,21 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import triton_kernels
+from . import passes, triton_kernels
+from .factory import NORM_NAMES, build_norm
 
 _ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 _SYNCS = frozenset({
     "_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "unique", "_unique", "_unique2",
     "unique_consecutive", "unique_dim", "equal", "is_nonzero", "_assert_async", "repeat_interleave",
 })  # fmt: skip
+# indexing with a boolean mask computes the mask's nonzero positions first
+_INDEXING = frozenset({"index", "_index_put_impl_", "index_put", "index_put_"})
+
+
+def _has_mask_index(args) -> bool:
+    indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+    return any(isinstance(i, Tensor) and i.dtype == torch.bool for i in indices)
 
 
 class DispatchCount(NamedTuple):
@@ -58,7 +68,7 @@ class _Counter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self._in_triton:
             name = func.overloadpacket.__name__
-            if name in _SYNCS:
+            if name in _SYNCS or (name in _INDEXING and _has_mask_index(args)):
                 self.syncs += 1
             if name in _ALLOCATIONS:
                 self.allocations += 1
@@ -101,3 +111,27 @@ def count_training_step(layer: nn.Module, x: Tensor, grad_y: Tensor) -> Dispatch
         layer(x).backward(grad_y)
 
     return count_dispatch(step)
+
+
+def layer_counts(device: torch.device, shape=(2, 256, 6, 6)) -> list[dict]:
+    """Per layer (torch's GroupNorm(32) and BatchNorm2d, then every name of ``build_norm``): the counts of a
+    training step and of an inference forward (without gradients, in evaluation mode) on ``shape``, and
+    whether the input takes the kernel path there (``passes.kernel_path``)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=generator).to(device)
+    grad_y = torch.randn(shape, generator=generator).to(device)
+    layers = {"torch GN(32)": nn.GroupNorm(32, shape[1]), "torch BN": nn.BatchNorm2d(shape[1])}
+    layers.update((name, build_norm(name, shape[1])) for name in NORM_NAMES)
+    rows = []
+    for label, layer in layers.items():
+        layer = layer.to(device)
+        train = count_training_step(layer, x, grad_y)
+        with torch.no_grad():
+            inference = count_dispatch(lambda: layer.eval()(x))
+        rows.append({
+            "layer": label, "device": device.type, "shape": list(shape), "kernel_path": passes.kernel_path(x),
+            "train_launches": train.launches, "train_allocations": train.allocations, "train_syncs": train.syncs,
+            "inference_launches": inference.launches, "inference_syncs": inference.syncs,
+            "train_operations": dict(train.operations),
+        })  # fmt: skip
+    return rows
