@@ -3,12 +3,13 @@
 
 Not a test: a measurement to run by hand, on CPU and, when available, CUDA:
 
-    python tools/benchmark_norms.py [--shapes small] [--repeats 5] [--threads N] [--device cuda] [--json results.json]
+    python tools/benchmark_norms.py [--shapes small] [--repeats 5] [--threads N] [--device cuda] [--amp] [--json results.json]
 
 Shapes are those of detection: two FPN levels at batch 2 (2, 256, 200, 336) and (2, 256, 100, 168), the
 RoI box head (512, 256, 14, 14) and a stem-sized map (2, 64, 400, 672). Each layer runs in training mode in
 float32; the time is the median of ``--repeats`` forward + backward passes after two warm-up passes, and
-"rounds" the lowest and highest ratio to GroupNorm within one round: the run-to-run spread.
+"rounds" the lowest and highest ratio to GroupNorm within one round: the run-to-run spread. ``--amp`` (CUDA)
+times them as a mixed-precision network runs them: float16 input and gradient, under ``torch.autocast``.
 
 Memory is what one forward + backward costs beyond its input and upstream gradient:
 
@@ -86,7 +87,9 @@ def candidates(num_channels):
 
 
 def step(layer, x, grad_y):
-    layer(x).backward(grad_y)
+    with torch.autocast(x.device.type, dtype=torch.float16, enabled=x.dtype == torch.float16):
+        y = layer(x)
+    y.backward(grad_y)
     x.grad = None
     layer.zero_grad(set_to_none=True)
 
@@ -115,10 +118,10 @@ def peak_cuda_bytes(layer, x, grad_y):
     return torch.cuda.max_memory_allocated(x.device) - before
 
 
-def measure(device, shape, repeats):
+def measure(device, shape, repeats, dtype=torch.float32):
     generator = torch.Generator(device).manual_seed(0)
-    x = torch.randn(shape, device=device, generator=generator).requires_grad_()
-    grad_y = torch.randn(shape, device=device, generator=generator)
+    x = torch.randn(shape, device=device, generator=generator).to(dtype).requires_grad_()
+    grad_y = torch.randn(shape, device=device, generator=generator).to(dtype)
     layers = {label: layer.to(device).train() for label, layer in candidates(shape[1])}
     rounds = range(repeats + WARMUP_ROUNDS)
     times = interleaved_seconds(layers, rounds, lambda layer, _: device_seconds(lambda: step(layer, x, grad_y), device))
@@ -127,7 +130,7 @@ def measure(device, shape, repeats):
     for label, layer in layers.items():
         memory = peak_cuda_bytes(layer, x, grad_y) if device.type == "cuda" else kept_bytes(layer, x)
         rows.append({
-            "device": device.type, "shape": list(shape), "layer": label, "seconds": vs_gn[label]["seconds"],
+            "device": device.type, "dtype": str(dtype).replace("torch.", ""), "shape": list(shape), "layer": label, "seconds": vs_gn[label]["seconds"],
             "bytes": memory, "time_vs_gn": vs_gn[label]["ratio"], "time_vs_gn_range": vs_gn[label]["ratio_range"],
             "time_vs_multi_op": vs_multi_op[label]["ratio"],
         })  # fmt: skip
@@ -139,6 +142,29 @@ def measure(device, shape, repeats):
         for row in rows:
             row["gpu"] = torch.cuda.get_device_name(device)
     return rows
+
+
+def print_profile(device, shape, dtype):
+    """Per layer, one forward + backward under torch's profiler: the wall time, the kernels' count and GPU time,
+    and the kernels that took most of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(shape, device=device).to(dtype).requires_grad_()
+    grad_y = torch.randn(shape, device=device).to(dtype)
+    for label, layer in candidates(shape[1]):
+        layer = layer.to(device).train()
+        for _ in range(3):
+            step(layer, x, grad_y)
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            seconds = device_seconds(lambda: step(layer, x, grad_y), device)
+        kernels = [event for event in profiler.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(event.time_range.elapsed_us() for event in kernels) / 1e3
+        names = {}
+        for event in kernels:
+            names[event.name] = names.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3
+        top = ", ".join(f"{name[:40]} {ms:.3f}" for name, ms in sorted(names.items(), key=lambda item: -item[1])[:5])
+        print(f"{'x'.join(map(str, shape))} {label:13} wall {1e3 * seconds:7.3f} ms, {len(kernels):4} kernels, GPU {busy:7.3f} ms: {top}")
 
 
 def print_table(rows):
@@ -167,6 +193,8 @@ def main():
         "--device", choices=["cpu", "cuda"], action="append", help="time on this device only (repeatable; default: "
         "the CPU, and CUDA where available)"
     )  # fmt: skip
+    parser.add_argument("--amp", action="store_true", help="float16 inputs under autocast (CUDA only)")
+    parser.add_argument("--profile", action="store_true", help="also profile one step of each layer (CUDA only)")
     parser.add_argument("--json", metavar="PATH", type=output_file, help="also write the rows as JSON")
     args = parser.parse_args()
     if args.threads:
@@ -176,15 +204,21 @@ def main():
 
     available = ["cpu"] + ["cuda"] * torch.cuda.is_available()
     devices = [torch.device(name) for name in dict.fromkeys(args.device or available)]
+    if args.amp and [device.type for device in devices] != ["cuda"]:
+        parser.error("--amp times CUDA only: give --device cuda on a machine with a CUDA device")
+    dtype = torch.float16 if args.amp else torch.float32
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
     if torch.cuda.is_available():
         print(f"CUDA device: {torch.cuda.get_device_name()}")
     rows = []
     for device in devices:
         for shape in SHAPES[args.shapes]:
-            rows += measure(device, shape, args.repeats)
+            rows += measure(device, shape, args.repeats, dtype)
             print_table(rows[-len(NORM_NAMES) - 3 :])
             print()
+            if args.profile and device.type == "cuda":
+                print_profile(device, shape, dtype)
+                print()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

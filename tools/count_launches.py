@@ -29,11 +29,14 @@ def main():
     rows = layer_counts(device)
     path = "the Triton kernel path" if rows[0]["kernel_path"] else "the PyTorch path (no Triton kernels here)"
     print(f"torch {torch.__version__}, {device.type}, {'x'.join(map(str, rows[0]['shape']))}: {path}")
+    profiled = device.type == "cuda"
     header = f"{'layer':13} {'train launches':>14} {'allocations':>11} {'syncs':>5} {'inference launches':>18} {'syncs':>5}"
+    header += f" {'profiler kernels':>16}" if profiled else ""
     print(header + "\n" + "-" * len(header))
     for row in rows:
-        print(f"{row['layer']:13} {row['train_launches']:14} {row['train_allocations']:11} {row['train_syncs']:5} "
-              f"{row['inference_launches']:18} {row['inference_syncs']:5}")
+        line = (f"{row['layer']:13} {row['train_launches']:14} {row['train_allocations']:11} {row['train_syncs']:5} "
+                f"{row['inference_launches']:18} {row['inference_syncs']:5}")
+        print(line + (f" {row['train_kernels_profiled']:16}" if profiled else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -75,20 +75,24 @@ class _FusedNormalize(torch.autograd.Function):
     def backward(ctx, grad_y: Tensor):
         x, mean, var, *rest = ctx.saved_tensors
         saved, parameters = rest[: ctx.num_saved], rest[ctx.num_saved :]
+        needs_x, needs_parameters = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
         if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
-            return _replayed_gradients(ctx, x, parameters, grad_y)
+            grad_x, grad_parameters = replayed_gradients(ctx.replay, x, parameters, grad_y, needs_x, needs_parameters)
+            return (grad_x, None, None, *grad_parameters)
         dot, total = passes.centered_dot_and_sum(grad_y, x, mean)
         scale, p, q, grad_parameters = ctx.kernels.backward(mean, var, saved, parameters, dot, total)
-        grad_x = passes.grad_input(grad_y, x, scale, p, q, mean) if ctx.needs_input_grad[0] else None
-        wanted = ctx.needs_input_grad[3:]
-        return (grad_x, None, None, *(g if needed else None for g, needed in zip(grad_parameters, wanted)))
+        grad_x = passes.grad_input(grad_y, x, scale, p, q, mean) if needs_x else None
+        return (grad_x, None, None, *(g if needed else None for g, needed in zip(grad_parameters, needs_parameters)))
 
 
-def _replayed_gradients(ctx, x: Tensor, parameters: Sequence[Tensor], grad_y: Tensor) -> tuple:
+def replayed_gradients(replay, x: Tensor, parameters: Sequence[Tensor], grad_y: Tensor, needs_x: bool, needs_parameters):
+    """The gradients of ``replay(x)`` (a layer's plain differentiable forward, run again without recording
+    its statistics twice: ``running.replaying``) with respect to x and the ``parameters`` flagged in
+    ``needs_parameters``, as differentiable functions of them and of grad_y: what a backward under
+    create_graph returns. (grad_x or None, [grad or None per parameter])."""
     with torch.enable_grad(), replaying():
-        y = ctx.replay(x)
-    needs = ctx.needs_input_grad
-    wanted = [t for t, needed in zip((x, *parameters), (needs[0], *needs[3:])) if needed]
+        y = replay(x)
+    wanted = [t for t, needed in zip((x, *parameters), (needs_x, *needs_parameters)) if needed]
     grads = iter(torch.autograd.grad(y, wanted, grad_y, create_graph=True, allow_unused=True))
-    grad_x = next(grads) if needs[0] else None
-    return (grad_x, None, None, *(next(grads) if needed else None for needed in needs[3:]))
+    grad_x = next(grads) if needs_x else None
+    return grad_x, [next(grads) if needed else None for needed in needs_parameters]

@@ -113,10 +113,23 @@ def count_training_step(layer: nn.Module, x: Tensor, grad_y: Tensor) -> Dispatch
     return count_dispatch(step)
 
 
+def profiled_cuda_kernels(function: Callable[[], object]) -> int:
+    """The CUDA kernels (and memory operations) ``function()`` ran, as torch's profiler records them: what
+    ``count_dispatch`` estimates, seen on the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        function()
+        torch.cuda.synchronize()
+    return sum(1 for event in profiler.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def layer_counts(device: torch.device, shape=(2, 256, 6, 6)) -> list[dict]:
     """Per layer (torch's GroupNorm(32) and BatchNorm2d, then every name of ``build_norm``): the counts of a
     training step and of an inference forward (without gradients, in evaluation mode) on ``shape``, and
-    whether the input takes the kernel path there (``passes.kernel_path``)."""
+    whether the input takes the kernel path there (``passes.kernel_path``); on CUDA also the kernels the
+    profiler saw in a second training step."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=generator).to(device)
     grad_y = torch.randn(shape, generator=generator).to(device)
@@ -126,12 +139,13 @@ def layer_counts(device: torch.device, shape=(2, 256, 6, 6)) -> list[dict]:
     for label, layer in layers.items():
         layer = layer.to(device)
         train = count_training_step(layer, x, grad_y)
+        profiled = profiled_cuda_kernels(lambda: count_training_step(layer, x, grad_y)) if device.type == "cuda" else None
         with torch.no_grad():
             inference = count_dispatch(lambda: layer.eval()(x))
         rows.append({
             "layer": label, "device": device.type, "shape": list(shape), "kernel_path": passes.kernel_path(x),
             "train_launches": train.launches, "train_allocations": train.allocations, "train_syncs": train.syncs,
             "inference_launches": inference.launches, "inference_syncs": inference.syncs,
-            "train_operations": dict(train.operations),
+            "train_operations": dict(train.operations), "train_kernels_profiled": profiled,
         })  # fmt: skip
     return rows

@@ -302,7 +302,10 @@ class _SkewnessReduced(torch.autograd.Function):
     def backward(ctx, grad_y: Tensor):
         x, mu, r, weight, bias = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
-            return fused._replayed_gradients(ctx, x, (weight, bias), grad_y)
+            grad_x, grad_parameters = fused.replayed_gradients(
+                ctx.replay, x, (weight, bias), grad_y, ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+            )
+            return (grad_x, None, None, *grad_parameters)
         grad_y = grad_y.contiguous(memory_format=torch.channels_last if ctx.kernels.channels_last else torch.contiguous_format)
         grad_x, grad_weight, grad_bias = ctx.kernels.backward(grad_y, x, mu, r, weight, ctx.needs_input_grad[0])
         return grad_x, None, None, grad_weight, grad_bias

@@ -48,7 +48,6 @@ from torch import Tensor
 from . import fused, passes
 from .freezing import FreezableNorm
 from .passes import plain_scale_shift, stat_dtype
-from .running import replaying
 
 
 class _InstanceMoments(torch.autograd.Function):
@@ -231,7 +230,11 @@ class _NormalizeByMoments(torch.autograd.Function):
     def backward(ctx, grad_y: Tensor):
         x, *parameters = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
-            return _replayed_gradients(ctx, x, parameters, grad_y)
+            replay = functools.partial(reference_normalize_by_moments, affine=ctx.affine)
+            grad_x, grad_parameters = fused.replayed_gradients(
+                replay, x, parameters, grad_y, ctx.needs_input_grad[0], ctx.needs_input_grad[2:]
+            )
+            return (grad_x, None, *grad_parameters)
         mean_in, var_in, scale, shift = ctx.graph
         center = mean_in.detach()
         dot, total = passes.centered_dot_and_sum(grad_y, x, center)
@@ -248,16 +251,3 @@ class _NormalizeByMoments(torch.autograd.Function):
             grad_x = passes.grad_input(grad_y, x, scale.detach(), p, q, center)
         grad_parameters = [next(grads) if p.requires_grad else None for p in parameters]
         return (grad_x, None, *grad_parameters)
-
-
-def _replayed_gradients(ctx, x: Tensor, parameters: list, grad_y: Tensor) -> tuple:
-    """The gradients of the forward with respect to x and the parameters, as a differentiable function of
-    them and of grad_y: the forward run again in plain autograd (``reference_normalize_by_moments``),
-    without recording its statistics twice, and differentiated with create_graph."""
-    with torch.enable_grad(), replaying():
-        y = reference_normalize_by_moments(x, ctx.affine)
-    wanted = [t for t, needed in zip((x, *parameters), (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:])) if needed]
-    grads = iter(torch.autograd.grad(y, wanted, grad_y, create_graph=True, allow_unused=True))
-    grad_x = next(grads) if ctx.needs_input_grad[0] else None
-    grad_parameters = [next(grads) if needed else None for needed in ctx.needs_input_grad[2:]]
-    return (grad_x, None, *grad_parameters)
