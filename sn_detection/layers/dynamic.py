@@ -69,6 +69,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from .dynamic_kernels import DynamicKernels
 from .identity import NormIdentity
 from .options import BOOLEAN, FRACTION, POSITIVE, POSITIVE_INT, Rule, check_num_channels, check_options
 from .running import RunningMoments, group_sums, moments_from_sums
@@ -223,6 +224,12 @@ class DynamicNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
         mean, var = self._pool_channels(mean, var)
         weight, bias = self.weight.to(mean.dtype), self.bias.to(mean.dtype)
         return affine_from_moments(weight, bias, mean - mean_in, var, self.eps)
+
+    @torch.jit.unused
+    def fused_statistics(self, x: Tensor) -> Optional[DynamicKernels]:
+        if self._batch_average is not None:  # the batch average pools float64 sums
+            return None
+        return DynamicKernels(self, x) if DynamicKernels.applies(self, x) else None
 
     def _pool_batch(self, mean: Tensor, var: Tensor, pixels: int):
         """Apply U: mix each sample's moments with the batch's (training; the batch's moments also go

@@ -52,6 +52,12 @@ class FusedStatistics(Protocol):
         grad_x = grad_y * scale + (x - mean) * p + q."""
 
 
+def written_in_place(*tensors: Tensor) -> None:
+    """Tell autograd that a kernel wrote ``tensors`` (running statistics) in place, as an in-place ATen
+    operation would: a tensor saved for a backward and changed since then is then refused, not misused."""
+    torch.autograd.graph.increment_version(tensors)
+
+
 def normalize(x: Tensor, kernels: FusedStatistics, parameters: Sequence[Tensor], replay) -> Tensor:
     """The layer's output through its fused kernels: one autograd node when anything needs a gradient.
     ``replay(x)`` is the layer's plain differentiable computation, for a backward with create_graph."""

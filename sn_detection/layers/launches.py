@@ -77,13 +77,29 @@ class _Counter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     @contextlib.contextmanager
-    def triton_launch(self, kernel: str) -> Iterator[None]:
-        self.operations["triton:" + kernel] += 1
+    def triton_launch(self, kernel, args, meta) -> Iterator[None]:
+        self.operations["triton:" + getattr(kernel, "__name__", repr(kernel))] += 1
         self._in_triton += 1
         try:
             yield
         finally:
             self._in_triton -= 1
+
+
+@contextlib.contextmanager
+def recorded_kernels() -> Iterator[list]:
+    """The names of the Triton kernels launched within the block, in order."""
+    names, previous = [], triton_kernels.launch_observer
+
+    def observe(kernel, args, meta):
+        names.append(getattr(kernel, "__name__", repr(kernel)))
+        return contextlib.nullcontext()
+
+    triton_kernels.launch_observer = observe
+    try:
+        yield names
+    finally:
+        triton_kernels.launch_observer = previous
 
 
 def count_dispatch(function: Callable[[], object]) -> DispatchCount:

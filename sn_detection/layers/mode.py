@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .identity import NormIdentity
+from .mode_kernels import ModeGroupKernels, ModeKernels
 from .options import FRACTION, POSITIVE, POSITIVE_INT, check_num_channels, check_options
 from .running import RunningMoments, mode_sums, moments_from_sums
 from .statistics import MomentNormalizer
@@ -128,6 +129,14 @@ class ModeNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
         shift = self.bias.to(dtype) - weight * torch.einsum("nk,nkc->nc", gates, offsets)
         return scale, shift
 
+    @torch.jit.unused
+    def fused_statistics(self, x: Tensor):
+        """MN's fused kernels (``mode_kernels.ModeKernels``), or None: during a batch average (its sums pool
+        in float64) and for more than ``mode_kernels.MAX_MODES`` modes."""
+        if self._batch_average is not None:
+            return None
+        return ModeKernels.create(self, x, _MIN_MODE_WEIGHT)
+
     def extra_repr(self) -> str:
         return f"{self.num_channels}, num_modes={self.num_modes}, eps={self.eps}, momentum={self.momentum}"
 
@@ -179,6 +188,12 @@ class ModeGroupNorm2d(NormIdentity, MomentNormalizer, nn.Module):
         offsets = (mode_mean[:, None, :] - mean[:, :, None]) * inv_std[:, None, :]  # (N, C, K)
         shift = self.bias.to(dtype) - weight * offsets.sum(2)
         return scale, shift
+
+    @torch.jit.unused
+    def fused_statistics(self, x: Tensor):
+        """MGN's fused kernels (``mode_kernels.ModeGroupKernels``), or None for more than
+        ``mode_kernels.MAX_MODES`` modes."""
+        return ModeGroupKernels.create(self, x)
 
     @staticmethod
     def _sample_estimates(log_gates: Tensor, mean: Tensor, var: Tensor):

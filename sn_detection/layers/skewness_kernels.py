@@ -231,7 +231,7 @@ class SkewnessKernels:
             n, c, layer.eps, layer.momentum, bessel,
             UPDATE_VAR=self.count > 1, BLOCK_N=_BLOCK_N, BLOCK_C=block_c,
         )  # fmt: skip
-        torch.autograd.graph.increment_version((layer.running_mean, layer.running_var, layer.num_batches_tracked))
+        fused.written_in_place(layer.running_mean, layer.running_var, layer.num_batches_tracked)
         return mu, r
 
     def _grid(self, x: Tensor):

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .fused import written_in_place
 from .triton_kernels import launch, tl, triton
 
 _TILE = 2048  # elements of one [BLOCK_N, BLOCK_C] tile
@@ -299,8 +300,8 @@ class SwitchableKernels:
             NUM_BRANCHES=3 if layer.use_bn else 2, BATCH_STATS=self.batch_stats, UPDATE_RUNNING=self.batch_stats,
             UPDATE_VAR=self.update_var, BLOCK_N=block_n, BLOCK_C=block_c,
         )  # fmt: skip
-        if self.batch_stats:  # written in place by the kernel: autograd's checks of saved tensors see it
-            torch.autograd.graph.increment_version(running)
+        if self.batch_stats:
+            written_in_place(*running)
         return scale, shift, (scale, stats)
 
     def backward(self, mean: Tensor, var: Tensor, saved, parameters, dot: Tensor, total: Tensor):

@@ -259,8 +259,8 @@ if triton is not None:
 # --------------------------------------------------------------------------------------------------
 
 
-# Called around every kernel launch, when set (``launches.count_dispatch``): a context manager factory
-# taking the kernel's name.
+# Called around every kernel launch, when set (``launches.count_dispatch``, the compile test): a context
+# manager factory taking the kernel, its positional arguments and its keyword (meta) arguments.
 launch_observer = None
 
 
@@ -270,7 +270,7 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     if launch_observer is None:
         kernel[grid](*args, **meta)
         return
-    with launch_observer(getattr(kernel, "__name__", repr(kernel))):
+    with launch_observer(kernel, args, meta):
         kernel[grid](*args, **meta)
 
 

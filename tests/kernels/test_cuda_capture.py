@@ -26,25 +26,20 @@ def layer_and_inputs(name, training, dtype=torch.float32, n=2):
     return layer, x, torch.randn_like(x)
 
 
-@pytest.fixture
-def sync_errors():
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("name", NORM_NAMES)
-def test_no_layer_synchronises_with_the_host(name, training, dtype, sync_errors):
+def test_no_layer_synchronises_with_the_host(name, training, dtype):
     for n in (1, 2):
-        layer, x, grad_y = layer_and_inputs(name, training, dtype, n)
-        layer(x.requires_grad_()).backward(grad_y)
-        with torch.no_grad():
-            layer(x)
+        layer, x, grad_y = layer_and_inputs(name, training, dtype, n)  # copies to the GPU: before the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            layer(x.requires_grad_()).backward(grad_y)
+            with torch.no_grad():
+                layer(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
