@@ -34,7 +34,15 @@ def load_cfg(config_file: str, opts: list):
 
 def launch_processes(function, args):
     """``function(args)`` in each process that detectron2's arguments ask for (--num-gpus, --num-machines,
-    --machine-rank, --dist-url)."""
+    --machine-rank, --dist-url). Where torch sees CUDA devices, each process takes one, so --num-gpus K needs
+    K of them; K processes on the CPU need the GPUs hidden (CUDA_VISIBLE_DEVICES=)."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if 0 < visible < args.num_gpus:
+        raise SystemExit(
+            f"--num-gpus {args.num_gpus}: torch sees {visible} CUDA device(s) here, and each process takes one. "
+            f"Ask for at most {visible}, or run the {args.num_gpus} processes on the CPU with the GPUs hidden: "
+            "CUDA_VISIBLE_DEVICES= in front of the command"
+        )
     return launch(
         function, args.num_gpus, num_machines=args.num_machines, machine_rank=args.machine_rank,
         dist_url=args.dist_url, args=(args,),

@@ -69,6 +69,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from . import passes
 from .dynamic_kernels import DynamicKernels
 from .identity import NormIdentity
 from .options import BOOLEAN, FRACTION, POSITIVE, POSITIVE_INT, Rule, check_num_channels, check_options
@@ -227,7 +228,7 @@ class DynamicNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
 
     @torch.jit.unused
     def fused_statistics(self, x: Tensor) -> Optional[DynamicKernels]:
-        if self._batch_average is not None:  # the batch average pools float64 sums
+        if self._batch_average is not None or not passes.kernel_path(x):  # the batch average pools float64 sums
             return None
         return DynamicKernels(self, x) if DynamicKernels.applies(self, x) else None
 

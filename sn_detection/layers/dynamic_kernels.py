@@ -91,7 +91,7 @@ import torch
 from torch import Tensor
 
 from .fused import written_in_place
-from .triton_kernels import launch, tl, triton
+from .triton_kernels import cdiv, launch, next_pow2, tl, triton
 
 _MAX_CHUNK = 1024  # channels of one tile of the per-sample kernels
 _TILE = 2048  # elements of one [BLOCK_N, BLOCK_C] tile
@@ -384,9 +384,6 @@ if triton is not None:
             tl.store(grad_batch_gate_ptr + levels * 0, gate_sums, mask=levels == NUM_LEVELS)
 
 
-def _next_pow2(value: int) -> int:
-    return 1 << max(value - 1, 0).bit_length()
-
 
 class DynamicKernels:
     """DN's fused (N, C) kernels for one call on an (N, C, H, W) input (``fused.FusedStatistics``)."""
@@ -401,8 +398,8 @@ class DynamicKernels:
         self.num_levels = len(layer._gated_sizes)
         self.odd = layer._subaxis_shape[-1]
         # the per-sample kernels' tiles: [BLOCK_N samples of a program, BLOCK_C channels]
-        self.block_c = min(_next_pow2(c), _MAX_CHUNK)
-        self.block_n = min(_next_pow2(n), max(_TILE // self.block_c, 1))
+        self.block_c = min(next_pow2(c), _MAX_CHUNK)
+        self.block_n = min(next_pow2(n), max(_TILE // self.block_c, 1))
 
     @staticmethod
     def applies(layer, x: Tensor) -> bool:
@@ -418,7 +415,7 @@ class DynamicKernels:
         state = mean.new_empty((4 * self.num_levels + 4, n, c))
         gates = layer.channel_gates if self.num_levels else layer.batch_gate  # never read when there are none
         launch(
-            _forward_kernel, (triton.cdiv(n, self.block_n),),
+            _forward_kernel, (cdiv(n, self.block_n),),
             mean, var, layer.weight, layer.bias, gates, layer.batch_gate,
             layer.running_mean, layer.running_var, layer.num_batches_tracked, scale, shift, state,
             n, c, layer.eps, layer.momentum,
@@ -442,15 +439,15 @@ class DynamicKernels:
         gates = channel_gates if levels else batch_gate  # never read when there are none
         grad_gates = grads[2] if levels else grads[3]  # never written when there are none
         launch(
-            _levels_backward_kernel, (triton.cdiv(n, self.block_n),),
+            _levels_backward_kernel, (cdiv(n, self.block_n),),
             dot, total, scale, gates, state, scratch, partial, n, c, layer.eps,
             NUM_LEVELS=levels, ODD=self.odd, BLOCK_N=self.block_n, BLOCK_C=self.block_c,
         )  # fmt: skip
-        block_l = _next_pow2(levels + 1)
-        block_c = min(_next_pow2(c), _MAX_BLOCK_C)
-        block_n = min(_next_pow2(n), max(_TILE // max(block_c, block_l), 1))
+        block_l = next_pow2(levels + 1)
+        block_c = min(next_pow2(c), _MAX_BLOCK_C)
+        block_n = min(next_pow2(n), max(_TILE // max(block_c, block_l), 1))
         launch(
-            _batch_backward_kernel, (triton.cdiv(c, block_c),),
+            _batch_backward_kernel, (cdiv(c, block_c),),
             dot, total, scale, batch_gate, state, scratch, partial, p, q, grads[0], grads[1], grad_gates, grads[3],
             n, c, float(self.spatial), layer.eps,
             NUM_LEVELS=levels, BATCH_STATS=self.training, BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_L=block_l,

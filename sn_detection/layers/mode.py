@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import passes
 from .identity import NormIdentity
 from .mode_kernels import ModeGroupKernels, ModeKernels
 from .options import FRACTION, POSITIVE, POSITIVE_INT, check_num_channels, check_options
@@ -133,7 +134,7 @@ class ModeNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
     def fused_statistics(self, x: Tensor):
         """MN's fused kernels (``mode_kernels.ModeKernels``), or None: during a batch average (its sums pool
         in float64) and for more than ``mode_kernels.MAX_MODES`` modes."""
-        if self._batch_average is not None:
+        if self._batch_average is not None or not passes.kernel_path(x):
             return None
         return ModeKernels.create(self, x, _MIN_MODE_WEIGHT)
 
@@ -193,7 +194,7 @@ class ModeGroupNorm2d(NormIdentity, MomentNormalizer, nn.Module):
     def fused_statistics(self, x: Tensor):
         """MGN's fused kernels (``mode_kernels.ModeGroupKernels``), or None for more than
         ``mode_kernels.MAX_MODES`` modes."""
-        return ModeGroupKernels.create(self, x)
+        return ModeGroupKernels.create(self, x) if passes.kernel_path(x) else None
 
     @staticmethod
     def _sample_estimates(log_gates: Tensor, mean: Tensor, var: Tensor):

@@ -108,7 +108,7 @@ import torch
 from torch import Tensor
 
 from .fused import written_in_place
-from .triton_kernels import launch, tl, triton
+from .triton_kernels import cdiv, launch, next_pow2, tl, triton
 
 MAX_MODES = 16
 _TILE = 4096  # elements of one [BLOCK_N, BLOCK_C, BLOCK_K] tile
@@ -555,16 +555,13 @@ if triton is not None:
         tl.store(grad_gate_b_ptr + ks, grad_gate_b, mask=k_mask & (pid == 0))
 
 
-def _next_pow2(value: int) -> int:
-    return 1 << max(value - 1, 0).bit_length()
-
 
 def _blocks(n: int, c: int, k: int, max_block_n: int, max_block_c: int = _MAX_BLOCK_C) -> tuple[int, int, int]:
     """BLOCK_N, BLOCK_K, BLOCK_C of [BLOCK_N, BLOCK_C, BLOCK_K] tiles of at most ``_TILE`` elements (each at
     least 2: no single-lane axes)."""
-    block_k = max(_next_pow2(k), 2)
-    block_n = max(min(_next_pow2(n), max_block_n), 2)
-    block_c = max(min(_next_pow2(c), _TILE // (block_n * block_k), max_block_c), 2)
+    block_k = max(next_pow2(k), 2)
+    block_n = max(min(next_pow2(n), max_block_n), 2)
+    block_c = max(min(next_pow2(c), _TILE // (block_n * block_k), max_block_c), 2)
     return block_n, block_k, block_c
 
 
@@ -593,7 +590,7 @@ class ModeKernels:
         stats = mean.new_empty(n * k + k + 2 * k * c)  # log g, log N_k, mu, var: what backward needs
         block_n, block_k, block_c = _blocks(n, c, k, 64)
         launch(
-            _mn_forward_kernel, (triton.cdiv(c, block_c),),
+            _mn_forward_kernel, (cdiv(c, block_c),),
             mean, var, layer.weight, layer.bias, layer.gate.weight, layer.gate.bias,
             layer.running_mean, layer.running_var, layer.num_batches_tracked, scale, shift, stats,
             n, c, k, layer.eps, layer.momentum, self.log_min_weight,
@@ -614,7 +611,7 @@ class ModeKernels:
         grads = [torch.empty_like(t) for t in parameters]
         block_n, block_k, block_c = _blocks(n, c, k, 64)
         launch(
-            _mn_backward_kernel, (triton.cdiv(c, block_c),),
+            _mn_backward_kernel, (cdiv(c, block_c),),
             mean, var, stats, dot, total, weight, gate_weight, p, q, *grads,
             n, c, k, float(self.spatial), layer.eps, self.log_min_weight,
             BATCH_STATS=self.batch_stats,
@@ -646,7 +643,7 @@ class ModeGroupKernels:
         stats = mean.new_empty(3 * n * k)  # mu, var, L per (n, k): what backward needs
         block_n, block_k, block_c = _blocks(n, c, k, 2, 256)
         launch(
-            _mgn_forward_kernel, (triton.cdiv(n, block_n),),
+            _mgn_forward_kernel, (cdiv(n, block_n),),
             mean, var, layer.weight, layer.bias, layer.gate.weight, layer.gate.bias, scale, shift, stats,
             n, c, k, layer.eps,
             BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_C=block_c, num_warps=_NUM_WARPS,
@@ -663,7 +660,7 @@ class ModeGroupKernels:
         grads = [torch.empty_like(t) for t in parameters]
         block_n, block_k, block_c = _blocks(n, c, k, 16)
         launch(
-            _mgn_backward_kernel, (triton.cdiv(c, block_c),),
+            _mgn_backward_kernel, (cdiv(c, block_c),),
             mean, var, stats, dot, total, weight, gate_weight, gate_bias, p, q, *grads,
             n, c, k, float(self.spatial), layer.eps,
             BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_C=block_c, num_warps=_NUM_WARPS,

@@ -82,21 +82,21 @@ def scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor) -> Tens
 def centered_dot_and_sum(grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Tensor, Tensor]:
     """sum(grad_y * (x - center)) and sum(grad_y) over H*W per (n, c), in center's dtype, in one read."""
     if uses_triton(x):
-        return triton_kernels.centered_dot_and_sum(_like(grad_y, x), x, center)
+        return triton_kernels.centered_dot_and_sum(like(grad_y, x), x, center)
     return _torch_centered_dot_and_sum(grad_y.to(center.dtype), x.to(center.dtype), center)
 
 
 def grad_input(grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor) -> Tensor:
     """grad_y * scale + (x - center) * p + q with (N, C) vectors, returned in x's dtype; one write."""
     if uses_triton(x):
-        return triton_kernels.grad_input(_like(grad_y, x), x, scale, p, q, center)
+        return triton_kernels.grad_input(like(grad_y, x), x, scale, p, q, center)
     xs = x.to(scale.dtype)
     # one full-size write, then an in-place update: no second full-size temporary
     grad_x = _torch_scale_shift(xs, p, q, center)
     return grad_x.addcmul_(grad_y.to(scale.dtype), scale[:, :, None, None]).to(x.dtype)
 
 
-def _like(grad_y: Tensor, x: Tensor) -> Tensor:
+def like(grad_y: Tensor, x: Tensor) -> Tensor:
     """grad_y in x's memory layout (autograd may hand over an expanded or differently strided one)."""
     layout = torch.channels_last if not x.is_contiguous() else torch.contiguous_format
     return grad_y.contiguous(memory_format=layout)

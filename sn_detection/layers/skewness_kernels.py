@@ -29,9 +29,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import fused, passes
+from . import fused, passes, triton_kernels
 from .triton_kernels import (
-    _check_same_layout, _layout, _output_like, _tile_of_program, _tile_offsets, _tile_shape, launch, tl, triton,
+    _check_same_layout, _layout, _output_like, _tile_of_program, _tile_offsets, _tile_shape, cdiv, launch, next_pow2, tl,
+    triton,
 )  # fmt: skip
 
 _BLOCK_N = 32
@@ -201,7 +202,7 @@ if triton is not None:
 
 
 def _blocks(c: int) -> int:
-    return min(1 << max(c - 1, 0).bit_length(), _MAX_BLOCK_C)
+    return min(next_pow2(c), _MAX_BLOCK_C)
 
 
 class SkewnessKernels:
@@ -220,13 +221,13 @@ class SkewnessKernels:
         layer = self.layer
         if not self.batch_stats:
             return layer.running_mean, layer.running_var
-        mean, var = passes.moments(x)
+        mean, var = triton_kernels.moments(x)
         n, c = mean.shape
         mu, r = mean.new_empty(c), mean.new_empty(c)
         block_c = _blocks(c)
         bessel = self.count / (self.count - 1) if self.count > 1 else 1.0
         launch(
-            _batch_statistics_kernel, (triton.cdiv(c, block_c),),
+            _batch_statistics_kernel, (cdiv(c, block_c),),
             mean, var, layer.running_mean, layer.running_var, layer.num_batches_tracked, mu, r,
             n, c, layer.eps, layer.momentum, bessel,
             UPDATE_VAR=self.count > 1, BLOCK_N=_BLOCK_N, BLOCK_C=block_c,
@@ -237,7 +238,7 @@ class SkewnessKernels:
     def _grid(self, x: Tensor):
         n, c, h, w = x.shape
         block_c, block_hw = _tile_shape(c, h * w, self.channels_last)
-        return n, c, h * w, block_c, block_hw, triton.cdiv(c, block_c), triton.cdiv(h * w, block_hw)
+        return n, c, h * w, block_c, block_hw, cdiv(c, block_c), cdiv(h * w, block_hw)
 
     def forward(self, x: Tensor, mu: Tensor, r: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
         n, c, hw, block_c, block_hw, c_blocks, hw_blocks = self._grid(x)
@@ -264,7 +265,7 @@ class SkewnessKernels:
         coefficients = sums.new_empty((3, c))
         small_block_c = _blocks(c)
         launch(
-            _coefficients_kernel, (triton.cdiv(c, small_block_c),),
+            _coefficients_kernel, (cdiv(c, small_block_c),),
             sums, mu, r, weight, grad_weight, grad_bias, coefficients, n, c, float(self.count), eps,
             FROM_VARIANCE=from_variance, BATCH_STATS=self.batch_stats, BLOCK_N=_BLOCK_N, BLOCK_C=small_block_c,
         )  # fmt: skip
@@ -306,6 +307,6 @@ class _SkewnessReduced(torch.autograd.Function):
                 ctx.replay, x, (weight, bias), grad_y, ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
             )
             return (grad_x, None, None, *grad_parameters)
-        grad_y = grad_y.contiguous(memory_format=torch.channels_last if ctx.kernels.channels_last else torch.contiguous_format)
+        grad_y = passes.like(grad_y, x)
         grad_x, grad_weight, grad_bias = ctx.kernels.backward(grad_y, x, mu, r, weight, ctx.needs_input_grad[0])
         return grad_x, None, None, grad_weight, grad_bias

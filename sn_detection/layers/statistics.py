@@ -161,7 +161,7 @@ class MomentNormalizer(FreezableNorm):
     def _normalize(self, x: Tensor, spatial_size: int) -> Tensor:
         self._follow_freezing()
         affine = functools.partial(self.scale_and_shift, spatial_size=spatial_size)
-        kernels = self.fused_statistics(x) if passes.kernel_path(x) and x.numel() > 0 else None
+        kernels = self.fused_statistics(x) if x.numel() > 0 else None
         if kernels is not None:
             replay = functools.partial(reference_normalize_by_moments, affine=affine)
             return fused.normalize(x, kernels, tuple(self.parameters()), replay)
@@ -169,8 +169,9 @@ class MomentNormalizer(FreezableNorm):
 
     @torch.jit.unused
     def fused_statistics(self, x: Tensor) -> Optional["fused.FusedStatistics"]:
-        """The layer's fused (N, C) kernels for the non-empty kernel-path input ``x`` (``fused``), or None
-        where they do not apply: the autograd path then runs."""
+        """The layer's closed forms for the non-empty input ``x`` (``fused``): its Triton kernels where x is on
+        the kernel path (``passes.kernel_path``), its tensor-operation closed forms elsewhere if it has them;
+        None where neither applies, and the autograd path runs."""
         return None
 
 

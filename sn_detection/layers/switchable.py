@@ -43,11 +43,13 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
 
+from . import passes
+from .fused import FusedStatistics
 from .identity import NormIdentity
 from .options import BOOLEAN, FRACTION, POSITIVE, check_num_channels, check_options
 from .running import MomentSums, RunningMoments, group_sums, moments_from_sums
 from .statistics import MomentNormalizer, affine_from_moments, layer_moments
-from .switchable_kernels import SwitchableKernels
+from .switchable_kernels import SwitchableClosedForms, SwitchableKernels
 
 
 class SwitchableNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
@@ -102,10 +104,10 @@ class SwitchableNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module
         return affine_from_moments(self.weight, self.bias, offset, var, self.eps)
 
     @torch.jit.unused
-    def fused_statistics(self, x: Tensor) -> Optional[SwitchableKernels]:
+    def fused_statistics(self, x: Tensor) -> Optional[FusedStatistics]:
         if self.use_bn and self._batch_average is not None:  # the batch average pools float64 sums
             return None
-        return SwitchableKernels(self, x)
+        return SwitchableKernels(self, x) if passes.kernel_path(x) else SwitchableClosedForms(self, x)
 
     def _batch_branch(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         if not self.training:
@@ -124,7 +126,7 @@ class SyncSwitchableNorm2d(SwitchableNorm2d):
     """SN whose BN branch pools statistics over all processes of the default process group."""
 
     @torch.jit.unused
-    def fused_statistics(self, x: Tensor) -> Optional[SwitchableKernels]:
+    def fused_statistics(self, x: Tensor) -> Optional[FusedStatistics]:
         if self.training and self.use_bn and _several_processes():  # the all-reduce sits inside the graph
             return None
         return super().fused_statistics(x)

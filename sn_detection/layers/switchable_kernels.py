@@ -1,4 +1,7 @@
-"""Switchable Normalization's (N, C) statistics in one forward and one backward kernel (``fused``).
+"""Switchable Normalization's (N, C) statistics and their gradients in closed form (``fused``): as one forward
+and one backward Triton kernel (``SwitchableKernels``: CUDA, Triton's interpreter) and as tensor operations
+(``SwitchableClosedForms``: every other device and float64, where they replace autograd through the small
+graph).
 
 Forward, from the IN moments m, v (N, C) (``switchable``; LN and BN moments by the law of total variance):
 
@@ -27,6 +30,9 @@ d var_ln / dm = 2 (m - mu_ln) / C, d var_ln / dv = 1 / C (the mean's own term ca
 
 and grad_x = grad_y * scale + (x - m) p + q with p = 2 g_v / HW, q = g_m / HW (``statistics``).
 
+Both versions compute the BN branch like the LN one, two-pass in the statistics dtype, and move the running
+statistics in place (``running``'s rules: the variance only for batches of more than one value per channel).
+
 Programs. Each program owns BLOCK_C channels: their BN statistics, running statistics and parameter
 gradients are its own; the sums over channels (LN statistics, sum_c G and sum_c H) it recomputes for every
 sample from all channels, which costs a read of the (N, C) moments per program and spares a second launch.
@@ -40,7 +46,7 @@ import torch
 from torch import Tensor
 
 from .fused import written_in_place
-from .triton_kernels import launch, tl, triton
+from .triton_kernels import cdiv, launch, next_pow2, tl, triton
 
 _TILE = 2048  # elements of one [BLOCK_N, BLOCK_C] tile
 _MAX_BLOCK_C = 64
@@ -266,13 +272,10 @@ if triton is not None:
                          tl.sum(tl.sum(grad_b_ln, 1), 0), tl.sum(tl.sum(grad_b_bn, 1), 0), pid, NUM_BRANCHES)
 
 
-def _next_pow2(value: int) -> int:
-    return 1 << max(value - 1, 0).bit_length()
-
 
 def _blocks(n: int, c: int) -> tuple[int, int]:
-    block_c = min(_next_pow2(c), _MAX_BLOCK_C)
-    return min(_next_pow2(n), max(_TILE // block_c, 1)), block_c
+    block_c = min(next_pow2(c), _MAX_BLOCK_C)
+    return min(next_pow2(n), max(_TILE // block_c, 1)), block_c
 
 
 class SwitchableKernels:
@@ -294,7 +297,7 @@ class SwitchableKernels:
         running = (layer.running_mean, layer.running_var, layer.num_batches_tracked) if layer.use_bn else (mean,) * 3
         block_n, block_c = _blocks(n, c)
         launch(
-            _forward_kernel, (triton.cdiv(c, block_c),),
+            _forward_kernel, (cdiv(c, block_c),),
             mean, var, layer.weight, layer.bias, layer.mean_weight, layer.var_weight, *running, scale, shift, stats,
             n, c, layer.eps, layer.momentum,
             NUM_BRANCHES=3 if layer.use_bn else 2, BATCH_STATS=self.batch_stats, UPDATE_RUNNING=self.batch_stats,
@@ -313,9 +316,82 @@ class SwitchableKernels:
         grads = [torch.empty_like(t) for t in parameters]
         block_n, block_c = _blocks(n, c)
         launch(
-            _backward_kernel, (triton.cdiv(c, block_c),),
+            _backward_kernel, (cdiv(c, block_c),),
             mean, var, stats, dot, total, weight, mean_weight, var_weight, p, q, *grads,
             n, c, float(self.spatial), layer.eps,
             NUM_BRANCHES=3 if layer.use_bn else 2, BATCH_STATS=self.batch_stats, BLOCK_N=block_n, BLOCK_C=block_c,
         )  # fmt: skip
         return scale, p, q, grads
+
+
+class SwitchableClosedForms:
+    """SN's closed forms as tensor operations, for one call on an (N, C, H, W) input (``fused.FusedStatistics``;
+    the module docstring's equations, in the statistics dtype)."""
+
+    def __init__(self, layer, x: Tensor):
+        self.layer = layer
+        n, _, h, w = x.shape
+        self.spatial = h * w
+        self.batch_stats = layer.training and layer.use_bn
+        self.update_var = n * h * w > 1
+
+    def forward(self, mean: Tensor, var: Tensor):
+        layer = self.layer
+        a, b = torch.softmax(torch.stack([layer.mean_weight, layer.var_weight]).to(mean.dtype), 1)
+        mu_ln = mean.mean(1, keepdim=True)
+        to_ln = mu_ln - mean
+        var_ln = var.mean(1, keepdim=True) + to_ln.square().mean(1, keepdim=True)
+        offset, mixed = a[1] * to_ln, b[0] * var + b[1] * var_ln
+        to_bn = var_bn = mean.new_zeros(())
+        if layer.use_bn:
+            if self.batch_stats:
+                mu_bn = mean.mean(0)
+                to_bn = mu_bn - mean
+                var_bn = var.mean(0) + to_bn.square().mean(0)
+                self._track(mu_bn, var_bn)
+            else:
+                to_bn = layer.running_mean.to(mean.dtype) - mean
+                var_bn = layer.running_var.to(mean.dtype)
+            offset, mixed = offset + a[2] * to_bn, mixed + b[2] * var_bn
+        r = torch.rsqrt(mixed + layer.eps)
+        scale = layer.weight.to(mean.dtype) * r
+        shift = layer.bias.to(mean.dtype) - offset * scale
+        return scale, shift, (scale, r, offset, to_ln, var_ln, to_bn, var_bn, a, b)
+
+    def _track(self, mean: Tensor, var: Tensor) -> None:
+        layer = self.layer
+        layer.running_mean.lerp_(mean.to(layer.running_mean.dtype), layer.momentum)
+        if self.update_var:  # a batch of one value per channel has no spread to record
+            layer.running_var.lerp_(var.to(layer.running_var.dtype), layer.momentum)
+        layer.num_batches_tracked.add_(1)
+
+    def backward(self, mean: Tensor, var: Tensor, saved, parameters, dot: Tensor, total: Tensor):
+        scale, r, offset, to_ln, var_ln, to_bn, var_bn, a, b = saved
+        weight, bias, mean_weight, var_weight = parameters
+        n, c = mean.shape
+        e = dot - total * offset
+        g = -0.5 * e * scale * r.square()
+        h = -total * scale
+        row_g, row_h = g.sum(1, keepdim=True), h.sum(1, keepdim=True)
+        grad_a = [mean.new_zeros(()), (h * to_ln).sum()]
+        grad_b = [(g * var).sum(), (g * var_ln).sum()]
+        # -(a_ln + a_bn) H - scale S = a_in H, as H = -scale S
+        grad_m = a[0] * h + (a[1] * row_h - 2 * b[1] * row_g * to_ln) / c
+        grad_v = b[0] * g + b[1] * row_g / c
+        if self.layer.use_bn:
+            grad_a.append((h * to_bn).sum())
+            grad_b.append((g * var_bn).sum())
+            if self.batch_stats:
+                column_g, column_h = g.sum(0), h.sum(0)
+                grad_m = grad_m + (a[2] * column_h - 2 * b[2] * column_g * to_bn) / n
+                grad_v = grad_v + b[2] * column_g / n
+        grads = [
+            (e * r).sum(0), total.sum(0), _softmax_backward(a, torch.stack(grad_a)), _softmax_backward(b, torch.stack(grad_b))
+        ]
+        grads = [grad.to(parameter.dtype) for grad, parameter in zip(grads, parameters)]
+        return scale, 2 * grad_v / self.spatial, grad_m / self.spatial, grads
+
+
+def _softmax_backward(weights: Tensor, grad_weights: Tensor) -> Tensor:
+    """The gradient of the logits of ``weights = softmax(logits)``."""
+    return weights * (grad_weights - (weights * grad_weights).sum())

@@ -92,7 +92,7 @@ except ImportError:  # the caller checks available() and keeps its PyTorch path
     triton = None
     tl = None
 
-__all__ = ["available", "interpreting", "launch", "moments", "scale_shift", "centered_dot_and_sum", "grad_input"]
+__all__ = ["available", "cdiv", "interpreting", "launch", "next_pow2", "moments", "scale_shift", "centered_dot_and_sum", "grad_input"]
 
 # triton.jit reads TRITON_INTERPRET when the kernels below are decorated, i.e. at import: the same moment
 # is recorded here, to tell whether CPU tensors can be run.
@@ -274,8 +274,14 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
         kernel[grid](*args, **meta)
 
 
-def _next_pow2(value: int) -> int:
+def next_pow2(value: int) -> int:
+    """The smallest power of two >= value (1 for 0)."""
     return 1 << max(value - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of ints, in plain Python (``triton.cdiv`` goes through the JIT's call machinery)."""
+    return -(-a // b)
 
 
 def _require_triton() -> None:
@@ -334,10 +340,10 @@ def _map_vector(v: Tensor, x: Tensor, name: str) -> Tensor:
 def _tile_shape(c: int, hw: int, channels_last: bool) -> tuple[int, int]:
     """(BLOCK_C, BLOCK_HW): the long side of the tile along memory's contiguous axis (module docstring)."""
     if channels_last:
-        block_c = min(_next_pow2(c), _CHANNELS_LAST_BLOCK_C)
-        return block_c, min(_next_pow2(hw), _TILE // block_c)
-    block_hw = min(_next_pow2(hw), _TILE)
-    return min(_next_pow2(c), _TILE // block_hw), block_hw
+        block_c = min(next_pow2(c), _CHANNELS_LAST_BLOCK_C)
+        return block_c, min(next_pow2(hw), _TILE // block_c)
+    block_hw = min(next_pow2(hw), _TILE)
+    return min(next_pow2(c), _TILE // block_hw), block_hw
 
 
 def _output_like(x: Tensor) -> Tensor:
@@ -357,7 +363,7 @@ def moments(x: Tensor) -> tuple[Tensor, Tensor]:
     mean = torch.empty((n, c), dtype=torch.float32, device=x.device)  # every map is written
     var = torch.empty((n, c), dtype=torch.float32, device=x.device)
     block_c, block_hw = _tile_shape(c, hw, channels_last)
-    c_blocks = triton.cdiv(c, block_c)
+    c_blocks = cdiv(c, block_c)
     launch(_moments_kernel, (n * c_blocks,),
         x, mean, var, c, hw, c_blocks,
         CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw, num_warps=_NUM_WARPS,
@@ -378,7 +384,7 @@ def scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor | None =
         return y
     n, c, h, w = x.shape
     block_c, block_hw = _tile_shape(c, h * w, channels_last)
-    c_blocks, hw_blocks = triton.cdiv(c, block_c), triton.cdiv(h * w, block_hw)
+    c_blocks, hw_blocks = cdiv(c, block_c), cdiv(h * w, block_hw)
     launch(_scale_shift_kernel, (n * c_blocks * hw_blocks,),
         x, y, scale, shift, center, c, h * w, c_blocks, hw_blocks,
         HAS_CENTER=has_center, CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw,
@@ -399,7 +405,7 @@ def centered_dot_and_sum(grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Ten
     dot = torch.empty((n, c), dtype=torch.float32, device=x.device)  # every map is written
     total = torch.empty((n, c), dtype=torch.float32, device=x.device)
     block_c, block_hw = _tile_shape(c, h * w, channels_last)
-    c_blocks = triton.cdiv(c, block_c)
+    c_blocks = cdiv(c, block_c)
     launch(_centered_dot_and_sum_kernel, (n * c_blocks,),
         grad_y, x, center, dot, total, c, h * w, c_blocks,
         CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw, num_warps=_NUM_WARPS,
@@ -419,7 +425,7 @@ def grad_input(grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, c
         return grad_x
     n, c, h, w = x.shape
     block_c, block_hw = _tile_shape(c, h * w, channels_last)
-    c_blocks, hw_blocks = triton.cdiv(c, block_c), triton.cdiv(h * w, block_hw)
+    c_blocks, hw_blocks = cdiv(c, block_c), cdiv(h * w, block_hw)
     launch(_grad_input_kernel, (n * c_blocks * hw_blocks,),
         grad_y, x, grad_x, scale, p, q, center, c, h * w, c_blocks, hw_blocks,
         CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw, num_warps=_NUM_WARPS,

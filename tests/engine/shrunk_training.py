@@ -38,10 +38,10 @@ def shrunk_cfg(output_dir, *opts):
     return cfg
 
 
-def train_shrunk(*opts, flags=()):
+def train_shrunk(*opts, flags=(), env=None):
     """tools/train_net.py with ``flags`` on the shrunk demo config, then ``opts`` (KEY VALUE ...), in a
-    subprocess with one intra-op thread per process; returns its output."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess with one intra-op thread per process and the variables of ``env``; returns its output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     result = subprocess.run(
         [sys.executable, os.path.join(REPO, "tools", "train_net.py"), *flags, "--config-file", DEMO_CONFIG,
          *SHRINK, *opts],

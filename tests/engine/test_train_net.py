@@ -1,6 +1,7 @@
 """tools/train_net.py end to end on the embedded dataset: train, resume, evaluate, evaluate-only; a
 resumed run against an uninterrupted one, and two processes with SyncSN and SN on the CPU."""
 
+import argparse
 import json
 import math
 import os
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 import shrunk_training
+
+from sn_detection.engine.launch import launch_processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO_CONFIG = os.path.join(REPO, "configs", "demo_mask_rcnn_gn.yaml")
@@ -154,7 +157,8 @@ def test_two_processes_on_the_cpu_evaluate_the_model_they_save(tmp_path):
     ]  # fmt: skip
     training = [*norms, "SOLVER.IMS_PER_BATCH", "4", "SOLVER.MAX_ITER", "2", "DATASETS.TEST", "('sn_shapes_val',)"]
     log = shrunk_training.train_shrunk(
-        *training, "OUTPUT_DIR", str(tmp_path / "train"), flags=["--num-gpus", "2", "--dist-url", "auto"]
+        *training, "OUTPUT_DIR", str(tmp_path / "train"), flags=["--num-gpus", "2", "--dist-url", "auto"],
+        env={"CUDA_VISIBLE_DEVICES": ""},  # the processes run on the CPU, also on a machine with one GPU
     )
     assert "World size: 2" in log
     assert "Final results on sn_shapes_val: bbox AP" in log
@@ -164,3 +168,11 @@ def test_two_processes_on_the_cpu_evaluate_the_model_they_save(tmp_path):
     model = torch.load(tmp_path / "train" / "model_final.pth")["model"]
     statistics = [value for key, value in model.items() if key.endswith(("running_mean", "running_var"))]
     assert statistics and all(value.isfinite().all() for value in statistics)
+
+
+def test_more_processes_than_visible_gpus_are_refused_with_the_way_to_run_them_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = argparse.Namespace(num_gpus=2, num_machines=1, machine_rank=0, dist_url="auto")
+    with pytest.raises(SystemExit, match=r"--num-gpus 2: torch sees 1 CUDA device.*CUDA_VISIBLE_DEVICES="):
+        launch_processes(lambda arguments: None, args)

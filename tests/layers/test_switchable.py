@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from sn_detection.layers import SwitchableNorm2d
+from sn_detection.layers.switchable_kernels import SwitchableClosedForms
 
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
 ONE_HOT = 1e4  # softmax([1e4, 0, 0]) is exactly [1, 0, 0] in fp32 and fp64
@@ -163,6 +164,17 @@ def test_gradients_including_logits(training, use_bn):
     x = random_input((3, 4, 3, 3), torch.float64).requires_grad_()
     parameters = [p.detach().clone().requires_grad_() for p in layer.parameters()]
     assert torch.autograd.gradcheck(output, (x, *parameters))
+
+
+def test_tensors_off_the_kernel_path_take_the_closed_forms(monkeypatch):
+    # float64 never takes the Triton kernels: its gradients come from the closed forms as tensor operations,
+    # whose values test_gradients_including_logits checks with gradcheck
+    backwards = []
+    original = SwitchableClosedForms.backward
+    monkeypatch.setattr(SwitchableClosedForms, "backward", lambda self, *args: backwards.append(self) or original(self, *args))
+    layer = random_layer(4, torch.float64, True)
+    layer(random_input((3, 4, 3, 3), torch.float64).requires_grad_()).sum().backward()
+    assert len(backwards) == 1
 
 
 def concatenated_moments(batches):

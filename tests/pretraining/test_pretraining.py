@@ -96,11 +96,12 @@ def test_a_resumed_pretraining_equals_an_uninterrupted_one(tiny_classification_s
     assert all(torch.equal(torch.as_tensor(first[key]), torch.as_tensor(second[key])) for key in first)
 
 
-def run_tool(*args, succeeds=True):
+def run_tool(*args, succeeds=True, env=None):
     result = subprocess.run(
         [sys.executable, os.path.join(REPO, "tools", "pretrain_backbone.py"), "--config-file",
          os.path.join(REPO, "configs", "demo_compare_norms.yaml"), *args],
-        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900,
+        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True, text=True,
+        timeout=900,
     )  # fmt: skip
     assert (result.returncode == 0) == succeeds, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout + result.stderr
@@ -120,7 +121,8 @@ def test_two_processes_with_sync_sn_equal_one_process_on_the_concatenated_batch(
     schedule = ["PRETRAIN.MAX_ITER", "3", "PRETRAIN.BASE_LR", "0.02", "PRETRAIN.CHECKPOINT_PERIOD", "100"]
     run_tool(*tiny_pretraining(tiny_classification_set, tmp_path / "one", *schedule))
     output = run_tool("--num-gpus", "2", "--dist-url", "auto",
-                      *tiny_pretraining(tiny_classification_set, tmp_path / "two", "PRETRAIN.SYNC_NORMS", "True", *schedule))
+                      *tiny_pretraining(tiny_classification_set, tmp_path / "two", "PRETRAIN.SYNC_NORMS", "True", *schedule),
+                      env={"CUDA_VISIBLE_DEVICES": ""})  # the processes run on the CPU, also on a machine with a GPU
     assert "World size: 2" in output
     one, two = backbone_tensors(tmp_path / "one" / BACKBONE_FILE), backbone_tensors(tmp_path / "two" / BACKBONE_FILE)
     assert one.keys() == two.keys()
