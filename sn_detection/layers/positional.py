@@ -11,6 +11,10 @@ statistics and training and evaluation behave identically. Choices:
 - ``PositionalNorm2d`` adds a per-channel affine (``weight``, ``bias`` of shape (C,)) so that it is a
   drop-in for BN / GN as a detectron2 norm type; it then equals detectron2's channel-wise ``LayerNorm``.
 - Statistics and normalization are computed in at least float32, and the output has the input's dtype.
+
+On the kernel path (``passes.kernel_path``: CUDA, or Triton's interpreter) the layer runs as one Triton
+kernel forward and two backward (``positional_kernels``); elsewhere, and under TorchScript, as tensor
+operations, which are also the kernels' oracle in the tests.
 """
 
 import torch
@@ -18,6 +22,7 @@ from torch import Tensor, nn
 
 from .identity import NormIdentity
 from .options import POSITIVE, check_num_channels, check_options
+from .positional_kernels import positional_norm, supports
 from .statistics import check_input, stat_dtype
 
 
@@ -60,6 +65,26 @@ class PositionalNorm2d(NormIdentity, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.num_channels)
-        normalized, _, _ = pono(x, self.eps)
-        y = torch.addcmul(self.bias[:, None, None], normalized, self.weight[:, None, None])
-        return y.to(x.dtype)
+        if torch.jit.is_scripting():
+            return self._autograd_forward(x)
+        if supports(x, self.weight, self.bias):
+            return self._fused_forward(x)
+        return self._autograd_forward(x)
+
+    @torch.jit.unused
+    def _fused_forward(self, x: Tensor) -> Tensor:
+        """The Triton kernels (``positional_kernels``); a backward under create_graph replays the tensor
+        path with the very weight and bias of this call."""
+        weight, bias, eps = self.weight, self.bias, self.eps
+        return positional_norm(x, weight, bias, eps, lambda inp: _affine_pono(inp, weight, bias, eps))
+
+    def _autograd_forward(self, x: Tensor) -> Tensor:
+        """The layer in tensor operations with autograd: the oracle of the kernels, and the path wherever
+        they do not apply (float64, other layouts, empty inputs, TorchScript)."""
+        return _affine_pono(x, self.weight, self.bias, self.eps)
+
+
+def _affine_pono(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    normalized, _, _ = pono(x, eps)
+    y = torch.addcmul(bias[:, None, None], normalized, weight[:, None, None])
+    return y.to(x.dtype)

@@ -2,8 +2,8 @@
 without a GPU: the interpreter runs kernels as Python and misses what only the compiler checks (types of
 loop-carried values, power-of-two ranges, constexpr specializations of integers equal to 1).
 
-The layers run here under the interpreter, in training and evaluation, fp32 / fp16 / bf16, NCHW and
-channels_last, on shapes that take different tile sizes; each launch's signature is recorded where
+The layers run here under the interpreter, in training and evaluation, with and without gradients (for x
+too), fp32 / fp16 / bf16, NCHW and channels_last, on shapes that take different tile sizes; each launch's signature is recorded where
 ``triton_kernels.launch`` sees it, and a subprocess without the interpreter compiles every distinct one.
 """
 
@@ -67,12 +67,17 @@ def recorded_launches():
                 (torch.float32, torch.contiguous_format, (2, 64, 3, 5), (True, False)),
                 (torch.float16, torch.channels_last, (1, 24, 1, 1), (True, False)),
                 (torch.bfloat16, torch.contiguous_format, big, (True,)),
+                (torch.float32, torch.contiguous_format, (2, 1, 3, 4), (True,)),  # one channel: a constant
             ):
                 for training in modes:
                     torch.manual_seed(0)
-                    options = {"num_groups": 8} if "num_groups" in norm_options(name) else {}
+                    options = {"num_groups": min(8, shape[1])} if "num_groups" in norm_options(name) else {}
                     layer = build_norm(name, shape[1], **options).train(training)
-                    x = torch.randn(shape).to(dtype).contiguous(memory_format=layout).requires_grad_()
+                    x = torch.randn(shape).to(dtype).contiguous(memory_format=layout)
+                    with torch.no_grad():  # inference
+                        layer(x)
+                    layer(x).backward(torch.ones_like(x))  # no gradient for x: a frozen stem's input
+                    x.requires_grad_()
                     layer(x).backward(torch.ones_like(x))
     finally:
         triton_kernels.launch_observer = previous

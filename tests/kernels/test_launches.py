@@ -23,7 +23,7 @@ from sn_detection.layers.launches import count_dispatch, count_training_step  # 
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 # launches per training forward + backward, gradients set to None first (zero_grad's default)
-TARGETS = {"SN": 12, "SyncSN": 12, "MGN": 12, "BNSR": 12, "MN": 14, "DN": 20}
+TARGETS = {"SN": 12, "SyncSN": 12, "MGN": 12, "BNSR": 12, "MN": 14, "DN": 20, "PONO": 4}
 
 
 def features(layout=torch.contiguous_format, n=2):
