@@ -127,9 +127,11 @@ class SyncSwitchableNorm2d(SwitchableNorm2d):
 
     @torch.jit.unused
     def fused_statistics(self, x: Tensor) -> Optional[FusedStatistics]:
-        if self.training and self.use_bn and _several_processes():  # the all-reduce sits inside the graph
+        if not (self.training and self.use_bn and _several_processes()):
+            return super().fused_statistics(x)
+        if self._batch_average is not None or not passes.kernel_path(x):  # the autograd path's all-reduce
             return None
-        return super().fused_statistics(x)
+        return SwitchableKernels(self, x, pooled=True)
 
     def _reduce(self, sums: MomentSums) -> MomentSums:
         if torch.jit.is_scripting():

@@ -30,6 +30,15 @@ d var_ln / dm = 2 (m - mu_ln) / C, d var_ln / dv = 1 / C (the mean's own term ca
 
 and grad_x = grad_y * scale + (x - m) p + q with p = 2 g_v / HW, q = g_m / HW (``statistics``).
 
+SyncSN across several processes pools the BN branch over all of them (``switchable``): one kernel writes
+this process's float64 sums [count, sum of x, sum of x^2] per channel, the processes add them up (the
+tensor and the collective of the autograd path, so that a process whose batch is empty, which runs that
+path, takes part), and the forward kernel normalizes with the mean and variance of the pooled sums. In the
+backward one kernel writes this process's gradient of those sums, from its sums over n of G and H, the
+processes add them up, and the backward kernel passes them on to every (n, c) (d sum / dm = HW,
+d sum_sq / dm = 2 m HW, d sum_sq / dv = HW), in float64, where their large parts cancel. Eight launches and
+two all-reduces per training step.
+
 Both versions compute the BN branch like the LN one, two-pass in the statistics dtype, and move the running
 statistics in place (``running``'s rules: the variance only for batches of more than one value per channel).
 
@@ -43,6 +52,7 @@ The branches' sums over all (n, c) are made by every program and stored by the f
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .fused import written_in_place
@@ -51,7 +61,12 @@ from .triton_kernels import cdiv, launch, next_pow2, tl, triton
 _TILE = 2048  # elements of one [BLOCK_N, BLOCK_C] tile
 _MAX_BLOCK_C = 64
 
+# Where the BN branch's statistics come from (BN_SOURCE), and so where their gradient goes (BN_GRAD); the
+# kernels read the same values as constexpr globals.
+_RUNNING, _BATCH, _POOLED, _POOLED_SUMS = range(4)
+
 if triton is not None:
+    RUNNING, BATCH, POOLED, POOLED_SUMS = (tl.constexpr(value) for value in range(4))
 
     @triton.jit
     def _branch_weights(logits_ptr, NUM_BRANCHES: tl.constexpr):
@@ -94,13 +109,57 @@ if triton is not None:
         return mu, total / C
 
     @triton.jit
+    def _pooled_sums_kernel(mean_ptr, var_ptr, pooled_ptr, N, C, spatial, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+        # this process's float64 [count, sum of x (C), sum of x^2 (C)] of the channels, from the IN moments:
+        # what the processes add up (``running.group_sums``)
+        pid = tl.program_id(0)
+        cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+        col_mask = cols < C
+        total = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float64)
+        total_sq = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float64)
+        for n0 in range(0, N, BLOCK_N):
+            rows = n0 + tl.arange(0, BLOCK_N)
+            mask = (rows < N)[:, None] & col_mask[None, :]
+            offsets = rows[:, None] * C + cols[None, :]
+            m = tl.load(mean_ptr + offsets, mask=mask, other=0.0).to(tl.float64)
+            total += m
+            total_sq += tl.load(var_ptr + offsets, mask=mask, other=0.0).to(tl.float64) + m * m
+        tl.store(pooled_ptr + 1 + cols, tl.sum(total, 0) * spatial, mask=col_mask)
+        tl.store(pooled_ptr + 1 + C + cols, tl.sum(total_sq, 0) * spatial, mask=col_mask)
+        if pid == 0:
+            tl.store(pooled_ptr, (N * spatial).to(tl.float64))
+
+    @triton.jit
+    def _pooled_statistics(
+        pooled_ptr, running_mean_ptr, running_var_ptr, tracked_ptr, cols, col_mask, C, momentum, pid,
+        UPDATE_RUNNING: tl.constexpr,
+    ):
+        # mean and biased variance of the pooled sums (float64, as ``running.moments_from_sums``), and the
+        # running statistics moved as ``running.RunningMoments._track`` does: the mean where some value was
+        # seen, the variance where more than one
+        count = tl.load(pooled_ptr)
+        safe = tl.maximum(count, 2.2250738585072014e-308)
+        mean = tl.load(pooled_ptr + 1 + cols, mask=col_mask, other=0.0) / safe
+        var = tl.maximum(tl.load(pooled_ptr + 1 + C + cols, mask=col_mask, other=0.0) / safe - mean * mean, 0.0)
+        if UPDATE_RUNNING:
+            old = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float64)
+            tl.store(running_mean_ptr + cols, tl.where(count > 0, old + momentum * (mean - old), old), mask=col_mask)
+            old = tl.load(running_var_ptr + cols, mask=col_mask, other=0.0).to(tl.float64)
+            tl.store(running_var_ptr + cols, tl.where(count > 1, old + momentum * (var - old), old), mask=col_mask)
+            if pid == 0:
+                tl.store(tracked_ptr, tl.load(tracked_ptr) + (count > 0).to(tl.int64))
+        return mean.to(tl.float32), var.to(tl.float32)
+
+    @triton.jit
     def _forward_kernel(
         mean_ptr, var_ptr, weight_ptr, bias_ptr, mean_logits_ptr, var_logits_ptr,
-        running_mean_ptr, running_var_ptr, tracked_ptr, scale_ptr, shift_ptr, stats_ptr,
+        running_mean_ptr, running_var_ptr, tracked_ptr, pooled_ptr, scale_ptr, shift_ptr, stats_ptr,
         N, C, eps, momentum,
-        NUM_BRANCHES: tl.constexpr, BATCH_STATS: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
+        NUM_BRANCHES: tl.constexpr, BN_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
         UPDATE_VAR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
+        # BN_SOURCE: BATCH (this batch), RUNNING (the running statistics) or POOLED (the sums of every
+        # process, float64 [count, sum of x (C), sum of x^2 (C)] at pooled_ptr)
         pid = tl.program_id(0)
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < C
@@ -109,11 +168,16 @@ if triton is not None:
         gamma = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         beta = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
 
-        # the BN branch of this program's channels: batch moments (two-pass) or the running ones
+        # the BN branch of this program's channels: batch moments (two-pass), pooled sums or the running ones
         mu_bn = tl.zeros([BLOCK_C], dtype=tl.float32)
         var_bn = tl.zeros([BLOCK_C], dtype=tl.float32)
         if NUM_BRANCHES == 3:
-            if BATCH_STATS:
+            if BN_SOURCE == POOLED:
+                mu_bn, var_bn = _pooled_statistics(
+                    pooled_ptr, running_mean_ptr, running_var_ptr, tracked_ptr, cols, col_mask, C, momentum, pid,
+                    UPDATE_RUNNING,
+                )
+            elif BN_SOURCE == BATCH:
                 for n0 in range(0, N, BLOCK_N):
                     rows = n0 + tl.arange(0, BLOCK_N)
                     mask = (rows < N)[:, None] & col_mask[None, :]
@@ -176,11 +240,15 @@ if triton is not None:
 
     @triton.jit
     def _backward_kernel(
-        mean_ptr, var_ptr, stats_ptr, dot_ptr, total_ptr, weight_ptr, mean_logits_ptr, var_logits_ptr,
-        p_ptr, q_ptr, grad_weight_ptr, grad_bias_ptr, grad_mean_logits_ptr, grad_var_logits_ptr,
+        mean_ptr, var_ptr, stats_ptr, dot_ptr, total_ptr, weight_ptr, mean_logits_ptr, var_logits_ptr, pooled_ptr,
+        grad_pooled_ptr, p_ptr, q_ptr, grad_weight_ptr, grad_bias_ptr, grad_mean_logits_ptr, grad_var_logits_ptr,
         N, C, spatial, eps,
-        NUM_BRANCHES: tl.constexpr, BATCH_STATS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+        NUM_BRANCHES: tl.constexpr, BN_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
+        # BN_GRAD: how the BN statistics pass their gradient on: not at all (RUNNING), within this batch
+        # (BATCH), or through the sums of every process: POOLED_SUMS writes this process's gradient of them
+        # (float64, as pooled_ptr) and nothing else; once the processes have added those up, POOLED takes
+        # them from grad_pooled_ptr
         pid = tl.program_id(0)
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < C
@@ -212,9 +280,37 @@ if triton is not None:
             grad_beta += tl.sum(s, 0)
             sum_g += tl.sum(tl.where(mask, g, 0.0), 0)
             sum_h += tl.sum(tl.where(mask, h, 0.0), 0)
-        tl.store(grad_weight_ptr + cols, grad_gamma, mask=col_mask)
-        tl.store(grad_bias_ptr + cols, grad_beta, mask=col_mask)
+        if BN_GRAD == POOLED_SUMS:
+            _pooled_sums_gradient(pooled_ptr, grad_pooled_ptr, cols, col_mask, C, a_bn * sum_h, b_bn * sum_g, pid)
+        else:
+            tl.store(grad_weight_ptr + cols, grad_gamma, mask=col_mask)
+            tl.store(grad_bias_ptr + cols, grad_beta, mask=col_mask)
+            _input_and_logit_gradients(
+                mean_ptr, var_ptr, stats_ptr, dot_ptr, total_ptr, weight_ptr, mean_logits_ptr, var_logits_ptr,
+                grad_pooled_ptr, p_ptr, q_ptr, grad_mean_logits_ptr, grad_var_logits_ptr, N, C, spatial, eps,
+                cols, col_mask, gamma, mu_bn, var_bn, sum_g, sum_h, pid, a_ln, a_bn, b_in, b_ln, b_bn,
+                NUM_BRANCHES, BN_GRAD, BLOCK_N, BLOCK_C,
+            )
 
+    @triton.jit
+    def _pooled_sums_gradient(pooled_ptr, grad_pooled_ptr, cols, col_mask, C, grad_mu, grad_var, pid):
+        # the gradient of (count, sum of x, sum of x^2) from those of the BN mean and variance, in float64:
+        # mean = sum / count, var = sum_sq / count - mean^2 (the count has none)
+        safe = tl.maximum(tl.load(pooled_ptr), 2.2250738585072014e-308)
+        mean = tl.load(pooled_ptr + 1 + cols, mask=col_mask, other=0.0) / safe
+        grad_mu, grad_var = grad_mu.to(tl.float64), grad_var.to(tl.float64)
+        tl.store(grad_pooled_ptr + 1 + cols, (grad_mu - 2 * mean * grad_var) / safe, mask=col_mask)
+        tl.store(grad_pooled_ptr + 1 + C + cols, grad_var / safe, mask=col_mask)
+        if pid == 0:
+            tl.store(grad_pooled_ptr, 0.0)
+
+    @triton.jit
+    def _input_and_logit_gradients(
+        mean_ptr, var_ptr, stats_ptr, dot_ptr, total_ptr, weight_ptr, mean_logits_ptr, var_logits_ptr,
+        grad_pooled_ptr, p_ptr, q_ptr, grad_mean_logits_ptr, grad_var_logits_ptr, N, C, spatial, eps,
+        cols, col_mask, gamma, mu_bn, var_bn, sum_g, sum_h, pid, a_ln, a_bn, b_in, b_ln, b_bn,
+        NUM_BRANCHES: tl.constexpr, BN_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
         # per sample: the sums over all channels, then this program's p and q; on the way, the sums over
         # all (n, c) that the logits need
         grad_b_in = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
@@ -260,9 +356,16 @@ if triton is not None:
             )
             grad_m = -(a_ln + a_bn) * h - scale * s + (a_ln * row_h[:, None] + 2 * b_ln * row_g[:, None] * (m - mu_ln[:, None])) / C
             grad_v = b_in * g + b_ln * row_g[:, None] / C
-            if BATCH_STATS:
+            if BN_GRAD == BATCH:
                 grad_m += (a_bn * sum_h[None, :] + 2 * b_bn * sum_g[None, :] * (m - mu_bn[None, :])) / N
                 grad_v += b_bn * sum_g[None, :] / N
+            elif BN_GRAD == POOLED:
+                # d sum / dm = HW, d sum_sq / dm = 2 m HW, d sum_sq / dv = HW; combined in float64, where the two
+                # terms' large parts cancel
+                grad_sum = tl.load(grad_pooled_ptr + 1 + cols, mask=col_mask, other=0.0)
+                grad_sum_sq = tl.load(grad_pooled_ptr + 1 + C + cols, mask=col_mask, other=0.0)
+                grad_m += ((grad_sum[None, :] + 2 * m.to(tl.float64) * grad_sum_sq[None, :]) * spatial).to(tl.float32)
+                grad_v += (grad_sum_sq * spatial).to(tl.float32)[None, :]
             tl.store(p_ptr + offsets, 2 * grad_v / spatial, mask=mask)
             tl.store(q_ptr + offsets, grad_m / spatial, mask=mask)
 
@@ -279,15 +382,18 @@ def _blocks(n: int, c: int) -> tuple[int, int]:
 
 
 class SwitchableKernels:
-    """SN's fused (N, C) kernels for one call on an (N, C, H, W) input (``fused.FusedStatistics``)."""
+    """SN's fused (N, C) kernels for one call on an (N, C, H, W) input (``fused.FusedStatistics``); with
+    ``pooled``, SyncSN's across several processes, whose BN branch pools every process's sums."""
 
-    def __init__(self, layer, x: Tensor):
+    def __init__(self, layer, x: Tensor, pooled: bool = False):
         self.layer = layer
         n, c, h, w = x.shape
         self.spatial = h * w
-        self.batch_stats = layer.training and layer.use_bn
-        # a batch of one value per channel moves the running mean only (``running``)
-        self.update_var = n * h * w > 1
+        training = layer.training and layer.use_bn
+        self.bn_source = (_POOLED if pooled else _BATCH) if training else _RUNNING
+        # a batch of one value per channel moves the running mean only (``running``); pooled sums know
+        # their count on the device
+        self.update_var = pooled or n * h * w > 1
 
     def forward(self, mean: Tensor, var: Tensor):
         layer = self.layer
@@ -296,31 +402,49 @@ class SwitchableKernels:
         stats = mean.new_empty(2 * n + 2 * c)  # mu_ln, var_ln, mu_bn, var_bn: what backward needs
         running = (layer.running_mean, layer.running_var, layer.num_batches_tracked) if layer.use_bn else (mean,) * 3
         block_n, block_c = _blocks(n, c)
+        pooled = mean  # read only with BN_SOURCE == POOLED
+        if self.bn_source == _POOLED:
+            pooled = self._pooled_sums(mean, var, block_n, block_c)
         launch(
             _forward_kernel, (cdiv(c, block_c),),
-            mean, var, layer.weight, layer.bias, layer.mean_weight, layer.var_weight, *running, scale, shift, stats,
-            n, c, layer.eps, layer.momentum,
-            NUM_BRANCHES=3 if layer.use_bn else 2, BATCH_STATS=self.batch_stats, UPDATE_RUNNING=self.batch_stats,
-            UPDATE_VAR=self.update_var, BLOCK_N=block_n, BLOCK_C=block_c,
+            mean, var, layer.weight, layer.bias, layer.mean_weight, layer.var_weight, *running, pooled, scale, shift,
+            stats, n, c, layer.eps, layer.momentum,
+            NUM_BRANCHES=3 if layer.use_bn else 2, BN_SOURCE=self.bn_source,
+            UPDATE_RUNNING=self.bn_source != _RUNNING, UPDATE_VAR=self.update_var, BLOCK_N=block_n, BLOCK_C=block_c,
         )  # fmt: skip
-        if self.batch_stats:
+        if self.bn_source != _RUNNING:
             written_in_place(*running)
-        return scale, shift, (scale, stats)
+        return scale, shift, (scale, stats, pooled)
+
+    def _pooled_sums(self, mean: Tensor, var: Tensor, block_n: int, block_c: int) -> Tensor:
+        """Every process's float64 [count, sum of x, sum of x^2] of each channel, added up: the tensor, and
+        the collective, of ``SyncSwitchableNorm2d._reduce``, so that a process whose batch is empty (it runs
+        the autograd path) takes part in the same all-reduce."""
+        n, c = mean.shape
+        pooled = mean.new_empty(2 * c + 1, dtype=torch.float64)
+        launch(_pooled_sums_kernel, (cdiv(c, block_c),), mean, var, pooled, n, c, self.spatial,
+               BLOCK_N=block_n, BLOCK_C=block_c)  # fmt: skip
+        dist.all_reduce(pooled)
+        return pooled
 
     def backward(self, mean: Tensor, var: Tensor, saved, parameters, dot: Tensor, total: Tensor):
         layer = self.layer
-        scale, stats = saved
+        scale, stats, pooled = saved
         weight, _, mean_weight, var_weight = parameters
         n, c = mean.shape
         p, q = torch.empty_like(mean), torch.empty_like(mean)
         grads = [torch.empty_like(t) for t in parameters]
         block_n, block_c = _blocks(n, c)
-        launch(
-            _backward_kernel, (cdiv(c, block_c),),
-            mean, var, stats, dot, total, weight, mean_weight, var_weight, p, q, *grads,
-            n, c, float(self.spatial), layer.eps,
-            NUM_BRANCHES=3 if layer.use_bn else 2, BATCH_STATS=self.batch_stats, BLOCK_N=block_n, BLOCK_C=block_c,
-        )  # fmt: skip
+        arguments = [mean, var, stats, dot, total, weight, mean_weight, var_weight, pooled]
+        constants = dict(NUM_BRANCHES=3 if layer.use_bn else 2, BLOCK_N=block_n, BLOCK_C=block_c)
+        grad_pooled, bn_grad = mean, self.bn_source
+        if bn_grad == _POOLED:  # this process's gradient of the pooled sums, added up as the autograd path does
+            grad_pooled = torch.empty_like(pooled)
+            launch(_backward_kernel, (cdiv(c, block_c),), *arguments, grad_pooled, p, q, *grads, n, c,
+                   float(self.spatial), layer.eps, BN_GRAD=_POOLED_SUMS, **constants)  # fmt: skip
+            dist.all_reduce(grad_pooled)
+        launch(_backward_kernel, (cdiv(c, block_c),), *arguments, grad_pooled, p, q, *grads, n, c,
+               float(self.spatial), layer.eps, BN_GRAD=bn_grad, **constants)  # fmt: skip
         return scale, p, q, grads
 
 

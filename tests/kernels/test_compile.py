@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
 import pytest
 import torch
@@ -25,9 +26,10 @@ if not INTERPRET:
 if int(triton.__version__.split(".")[0]) < 3:
     pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
 
-from sn_detection.layers import NORM_NAMES, build_norm, norm_options, triton_kernels  # noqa: E402  (after the skips)
+from sn_detection.layers import NORM_NAMES, build_norm, norm_options, switchable, switchable_kernels  # noqa: E402
+from sn_detection.layers import triton_kernels  # noqa: E402  (after the skips)
 
-_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64"}
+_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float64: "*fp64", torch.int64: "*i64"}
 
 
 def signature(kernel, args, meta):
@@ -61,6 +63,14 @@ def recorded_launches():
 
     previous, triton_kernels.launch_observer = triton_kernels.launch_observer, observe
     try:
+        # SyncSN's kernels for several processes too: one process stands in for them (its sums all-reduced
+        # with nobody)
+        with mock.patch.object(switchable, "_several_processes", lambda: True), \
+                mock.patch.object(switchable_kernels.dist, "all_reduce", lambda tensor: None):
+            for layout in (torch.contiguous_format, torch.channels_last):
+                x = torch.randn(2, 24, 3, 5).contiguous(memory_format=layout).requires_grad_()
+                layer = build_norm("SyncSN", 24)
+                layer(x).backward(torch.ones_like(x))
         for name in NORM_NAMES:
             big = (2, 2048, 1, 1) if name == "DN" else (70, 96, 1, 1)  # DN: several channel chunks
             for dtype, layout, shape, modes in (
@@ -85,17 +95,20 @@ def recorded_launches():
 
 
 _COMPILE = textwrap.dedent("""
-    import importlib, json, sys
+    import concurrent.futures, importlib, json, os, sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    for record in json.load(sys.stdin):
+    def compile_one(record):
         kernel = getattr(importlib.import_module(record["module"]), record["kernel"])
         source = ASTSource(fn=kernel, signature=record["signature"], constexprs=record["constants"])
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": record["num_warps"]})
         assert compiled.asm["cubin"], record
-    print("compiled", len(json.load(open(sys.argv[1]))) if len(sys.argv) > 1 else "")
+
+    if __name__ == "__main__":
+        with concurrent.futures.ProcessPoolExecutor(os.cpu_count()) as pool:
+            list(pool.map(compile_one, json.load(sys.stdin)))
 """)
 
 

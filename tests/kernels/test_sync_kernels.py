@@ -1,0 +1,94 @@
+"""SyncSN across processes on its fused kernels (``switchable_kernels``, pooled): a batch split over two real
+processes (gloo on the CPU, the kernels under Triton's interpreter in each) gives the outputs, input
+gradients, summed parameter gradients and running statistics of one SN on the whole batch; a process whose
+slice is empty runs the autograd path and takes part in the same all-reduces.
+
+Runs where tests/kernels/test_triton_kernels.py runs, with the interpreter (the processes are CPU ones).
+"""
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+if os.environ.get("TRITON_INTERPRET", "0") != "1":
+    pytest.skip("two CPU processes run the kernels under Triton's interpreter", allow_module_level=True)
+if int(triton.__version__.split(".")[0]) < 3:
+    pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
+
+from gloo_processes import run_processes  # noqa: E402  (after the skips)
+
+from sn_detection.layers import SwitchableNorm2d, SyncSwitchableNorm2d  # noqa: E402
+from sn_detection.layers.launches import recorded_kernels  # noqa: E402
+
+CHANNELS = 6
+WORLD_SIZE = 2
+SPLITS = {"3+1": (3, 1), "2+0": (2, 0), "0+2": (0, 2)}
+
+
+def problem(sizes, seed):
+    """The whole batch, the upstream gradient and a random layer state, identical in every process."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (sum(sizes), CHANNELS, 3, 4)
+    x = torch.randn(shape, generator=generator) * 2 + 1
+    grad_y = torch.randn(shape, generator=generator)
+    state = SwitchableNorm2d(CHANNELS).state_dict()
+    for key in ("weight", "bias", "mean_weight", "var_weight"):
+        state[key] = torch.randn(state[key].shape, generator=generator)
+    state["running_mean"] = torch.randn(CHANNELS, generator=generator)
+    return x, grad_y, state
+
+
+def step(layer, x, grad_y):
+    x = x.clone().requires_grad_()
+    with recorded_kernels() as kernels:
+        y = layer(x)
+        y.backward(grad_y)
+    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in layer.named_parameters()}
+    buffers = {name: b.clone() for name, b in layer.named_buffers()}
+    return {"y": y.detach(), "x": x.grad, "grads": grads, "buffers": buffers, "kernels": kernels}
+
+
+def worker(rank, result_dir):
+    results = {}
+    for seed, (name, sizes) in enumerate(SPLITS.items()):
+        x, grad_y, state = problem(sizes, seed)
+        layer = SyncSwitchableNorm2d(CHANNELS)
+        layer.load_state_dict(state)
+        start = sum(sizes[:rank])
+        part = slice(start, start + sizes[rank])
+        results[name] = step(layer, x[part], grad_y[part])
+    torch.save(results, result_dir / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def distributed_results(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("sync_kernels")
+    run_processes(worker, (directory,), WORLD_SIZE, timeout=300)
+    return [torch.load(directory / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+
+
+@pytest.mark.parametrize("name", list(SPLITS))
+def test_a_split_batch_on_the_kernels_equals_the_whole_batch(distributed_results, name):
+    sizes = SPLITS[name]
+    x, grad_y, state = problem(sizes, list(SPLITS).index(name))
+    whole = SwitchableNorm2d(CHANNELS)
+    whole.load_state_dict(state)
+    expected = step(whole, x, grad_y)
+    ranks = [results[name] for results in distributed_results]
+    for rank, size in enumerate(sizes):
+        kernels = ranks[rank]["kernels"]
+        # a non-empty slice takes the pooled kernels: its sums, then its gradient of them, all-reduced
+        assert not size or {"_pooled_sums_kernel", "_forward_kernel", "_backward_kernel"} <= set(kernels), kernels
+        assert not size or kernels.count("_backward_kernel") == 2, kernels
+    tolerance = dict(rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(torch.cat([r["y"] for r in ranks]), expected["y"], **tolerance)
+    torch.testing.assert_close(torch.cat([r["x"] for r in ranks]), expected["x"], **tolerance)
+    for key, grad in expected["grads"].items():
+        total = sum(r["grads"][key] for r in ranks)
+        torch.testing.assert_close(total, grad, rtol=2e-5, atol=2e-5 * max(grad.abs().max().item(), 1.0), msg=key)
+    for rank in ranks:  # every process stores the statistics of the whole batch
+        for key, buffer in expected["buffers"].items():
+            torch.testing.assert_close(rank["buffers"][key], buffer, **tolerance, msg=key)
