@@ -63,9 +63,10 @@ def normalize(x: Tensor, kernels: FusedStatistics, parameters: Sequence[Tensor],
     ``replay(x)`` is the layer's plain differentiable computation, for a backward with create_graph."""
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in parameters)):
         return _FusedNormalize.apply(x, kernels, replay, *parameters)
-    mean, var = passes.moments(x)
-    scale, shift, _ = kernels.forward(mean, var)
-    return passes.scale_shift(x, scale, shift, mean)
+    with torch.no_grad():  # the passes' fused forms (passes), as in the autograd node
+        mean, var = passes.moments(x)
+        scale, shift, _ = kernels.forward(mean, var)
+        return passes.scale_shift(x, scale, shift, mean)
 
 
 class _FusedNormalize(torch.autograd.Function):

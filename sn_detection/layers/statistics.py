@@ -28,10 +28,13 @@ Choices the paper leaves open:
 - Statistics are computed in at least float32 whatever the input dtype (fp16 / bf16 inputs are upcast;
   the output has the input's dtype).
 
-Speed: the heavy steps are small autograd Functions with closed-form backward passes (the per-(n, c)
-terms of the paper's appendix, Eq. 9), where autograd's generic formulas would allocate several extra
-full-size temporaries (``_NormalizeByMoments``). ``reference_normalize_by_moments`` is the same
-computation in plain autograd, the oracle of the tests.
+Speed: the layers whose (N, C) statistics have closed forms (``fused``: SN everywhere; DN, MN, MGN on the
+kernel path) run them; the others, and the cases where those do not apply, run
+``normalize_by_moments``: one autograd node that reads the activation for the moments, differentiates
+the small (N, C) graph of ``affine`` with autograd, and writes grad_x once from the closed form of the
+paper's appendix (Eq. 9), where autograd's generic formulas would allocate several extra full-size
+temporaries (``_NormalizeByMoments``). ``reference_normalize_by_moments`` is the same computation in plain
+autograd, the oracle of the tests.
 
 Double backward (a gradient penalty: ``create_graph=True``) is exact: the closed-form backward passes
 are written for first derivatives, so with ``create_graph`` they compute the gradients again with plain

@@ -33,6 +33,9 @@ the all-reduce is differentiable so gradients flow across processes as in one bi
 lets its empty output reach the loss. The batch average pools the already all-reduced sums, so every
 process stores the same statistics. Without an initialized process group (or with one process) the
 layer is exactly ``SwitchableNorm2d``.
+
+The closed forms of the statistics and their gradients, as Triton kernels and as tensor operations, are
+``switchable_kernels``; SyncSN's all-reduces sit between its kernels there.
 """
 
 
