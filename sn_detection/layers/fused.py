@@ -1,29 +1,31 @@
-"""The fused path of the moment-based normalizers on GPUs: a layer's forward and backward in six kernels.
+"""The fused path of the moment-based normalizers: a layer's (N, C) statistics and their gradients in closed
+form, between the four full-size passes.
 
 ``statistics.normalize_by_moments`` runs a layer's (N, C) statistics (LN and BN moments, mixtures, running
-statistics, and autograd through all of it) as separate tensor operations: 80 to 600 of them per forward
-and backward, each a kernel launch on a GPU that costs host time whatever it computes. Here a layer that
-has fused kernels (``FusedStatistics``) runs as
+statistics) as separate tensor operations and differentiates them with autograd: 80 to 600 operations per
+forward and backward, each a kernel launch on a GPU, which costs host time whatever it computes. Here a
+layer with closed forms (``FusedStatistics``) runs as
 
-    forward:   moments(x) -> [mean, var] -> one kernel: scale, shift (and the running statistics)
+    forward:   moments(x) -> [mean, var] -> one step: scale, shift (and the running statistics)
                -> scale_shift(x)
-    backward:  centered_dot_and_sum(grad_y, x) -> [D, S] -> one kernel: p, q and every parameter's
-               gradient, in closed form -> grad_input(grad_y, x)
+    backward:  centered_dot_and_sum(grad_y, x) -> [D, S] -> one step: p, q and every parameter's
+               gradient -> grad_input(grad_y, x)
 
 where D = sum_HW grad_y (x - mean) and S = sum_HW grad_y per (n, c), and the closed forms are the
-derivatives of the layer's small (N, C) graph, written out by hand for each layer (its kernel module says
-how). The full-size passes are ``triton_kernels``'; the fused (N, C) kernels are the layers' own
-(``switchable_kernels``, ...). The autograd path (``statistics._NormalizeByMoments`` differentiating the
-layer's ``scale_and_shift``) computes the same and stays as the tests' oracle and as the path wherever
-the fused one does not apply:
+derivatives of the layer's small (N, C) graph, written out by hand for each layer (its kernel module,
+``switchable_kernels``, ``dynamic_kernels``, ``mode_kernels``, says how). On the kernel path
+(``passes.kernel_path``) the passes and the two steps are Triton kernels, six launches in all; SN also has
+its closed forms as tensor operations, which run everywhere else. The autograd path
+(``statistics._NormalizeByMoments`` differentiating the layer's ``scale_and_shift``) computes the same and
+stays as the tests' oracle and as the path wherever no closed form applies:
 
-- tensors the kernels do not take (``passes.kernel_path``: CPU tensors outside Triton's interpreter,
-  float64, other layouts);
+- a layer without closed forms for the input (DN, MN, MGN off the kernel path; MN, MGN beyond their
+  largest mode count);
 - a running batch average (its sums pool in float64 on the host side of the layer);
-- a layer's own exclusions (SyncSN across several processes, whose all-reduce sits inside its graph);
+- SyncSN across several processes off the kernel path;
 - a differentiable backward (``create_graph``): it replays the plain computation, as the autograd path does.
 
-Nothing in the fused path reads a value on the host: a training step can be captured in a CUDA graph.
+Nothing on the kernel path reads a value on the host: a training step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
