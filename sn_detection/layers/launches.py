@@ -14,8 +14,9 @@ this package is launched through ``triton_kernels.launch``. Counted:
   ``if`` on a tensor: ``aten._local_scalar_dense``) or computing a shape from values (``nonzero``, boolean
   indexing, ``unique``, ...). A layer that has none can be captured in a CUDA graph.
 
-Run on the kernel path (a CUDA GPU, or the CPU under ``TRITON_INTERPRET=1``) these are the counts a GPU
-profiler reports, within a few percent (a few ATen operations launch two kernels on a GPU).
+Run on the kernel path (a CUDA GPU, or the CPU under ``TRITON_INTERPRET=1``) the layers' counts are the
+kernels a GPU profiler records for them; some ATen operations launch several kernels on a GPU (torch's
+group norm: 8 for its 2 operations), so for other code the count is a lower bound.
 ``layer_counts`` counts every layer of ``build_norm`` beside torch's GroupNorm and BatchNorm
 (``tools/count_launches.py``).
 """
