@@ -11,14 +11,14 @@ from detectron2.config import get_cfg
 from detectron2.data import DatasetCatalog, DatasetMapper
 from detectron2.utils.events import EventStorage
 
-import sn_detection  # noqa: F401  registers our norm names
 from detectron2.modeling import build_model
 
+from sn_detection import model_zoo  # importing sn_detection registers our norm names
 from sn_detection.d2 import add_sn_config, build_optimizer
 from sn_detection.layers import update_batch_average
 from sn_detection.data.datasets import register_shapes_datasets
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CONFIG_DIR = model_zoo.CONFIG_DIR
 CONFIGS = sorted(os.path.basename(path)[: -len(".yaml")] for path in glob.glob(os.path.join(CONFIG_DIR, "*.yaml")))
 PAPER_CONFIGS = [name for name in CONFIGS if not name.startswith("demo_")]
 

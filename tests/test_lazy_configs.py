@@ -23,7 +23,7 @@ from sn_detection.engine import lazy
 from sn_detection.layers import NORM_CLASSES, NormFactory
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAZY = os.path.join(REPO, "configs", "lazy")
+LAZY = model_zoo.LAZY_CONFIG_DIR
 # LazyConfig -> (its yaml twin, the norm of its layers and their options)
 TWINS = {
     "mask_rcnn_sn_2x.py": ("mask_rcnn_sn_2x", NormFactory("SN", eps=1e-5, momentum=0.1, use_bn=True)),

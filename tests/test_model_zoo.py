@@ -40,6 +40,23 @@ def test_an_unknown_name_lists_the_valid_ones():
         model_zoo.get_config("configs/mask_rcnn_sn_2x.yaml")
 
 
+def test_the_lazy_configs_are_found_by_name():
+    assert model_zoo.lazy_names() == ("demo_mask_rcnn_sn", "mask_rcnn_dn_2x", "mask_rcnn_mgn_2x", "mask_rcnn_sn_2x")
+    path = model_zoo.get_lazy_config_file("mask_rcnn_sn_2x")
+    assert path == os.path.join(model_zoo.LAZY_CONFIG_DIR, "mask_rcnn_sn_2x.py") and os.path.isfile(path)
+    assert model_zoo.get_lazy_config("mask_rcnn_sn_2x").model.backbone.bottom_up.stages.norm.name == "SN"
+    with pytest.raises(ValueError, match="unknown model zoo LazyConfig 'common'.*mask_rcnn_sn_2x"):
+        model_zoo.get_lazy_config_file("common")
+
+
+def test_the_repository_files_are_asked_for_by_name(tmp_path):
+    """Rendering needs the repository's model_zoo/: without it, an error that says so."""
+    with pytest.raises(FileNotFoundError, match="files of the repository"):
+        model_zoo.load_measured(str(tmp_path / "measured.json"))
+    with pytest.raises(FileNotFoundError, match="run this from a checkout"):
+        model_zoo.update_readme(str(tmp_path / "README.md"))
+
+
 def test_every_catalog_config_exists_and_every_config_is_in_the_catalog():
     on_disk = {name for name in config_names_on_disk() if not name.startswith("demo_")}
     assert set(model_zoo.names()) == on_disk
@@ -124,17 +141,21 @@ def test_measured_numbers_are_a_table_of_their_own():
     assert f"| {sn} | 1200 | 15.8 | – | 16.3 | – | 22 min |" in measured
     assert f"| {sn} | 560 | 9.2 | 19.1 | 9.1 | 18.2 | 10 min 58 s |" in measured
     assert f"| {gn} | 1000 | 14.4 | – | 14.9 | – | – |" in measured
-    assert {m.config for m in model_zoo.MEASURED} <= config_names_on_disk()
+    assert {m.config for m in model_zoo.load_measured()} <= config_names_on_disk()
 
 
-def test_a_measured_catalog_config_shows_its_longest_run_as_our_ap(monkeypatch):
+def test_every_measurement_says_where_and_when_it_ran():
+    for m in model_zoo.load_measured():
+        assert m.machine and m.date and m.iterations > 0 and m.box_ap is not None, m
+
+
+def test_a_measured_catalog_config_shows_its_longest_run_as_our_ap():
     runs = (
         model_zoo.Measurement("mask_rcnn_sn_2x", 2000, 20.0, 18.5),
         model_zoo.Measurement("mask_rcnn_sn_2x", 1000, 12.3, 11.1),
         model_zoo.Measurement("faster_rcnn_sn_1x", 500, 7.5),
     )
-    monkeypatch.setattr(model_zoo, "MEASURED", runs)
-    table = model_zoo.catalog_table()
+    table = model_zoo.catalog_table(measured=runs)
     assert "| [mask_rcnn_sn_2x](../configs/mask_rcnn_sn_2x.yaml) | SN | SN | sn | 41.0 | 36.5 | 20.0 / 18.5 |" in table
     assert "| [faster_rcnn_sn_1x](../configs/faster_rcnn_sn_1x.yaml) | SN | SN | sn | 39.3 | 7.5 |" in table
     assert "| [mask_rcnn_gn_2x](../configs/mask_rcnn_gn_2x.yaml) | GN | GN | gn | 40.2 | 35.7 | – |" in table

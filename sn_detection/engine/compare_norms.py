@@ -325,10 +325,17 @@ def run_sweep(
     return [run for run in todo if run.folder in failed]
 
 
+def config_label(config_file: str) -> str:
+    """How the table names ``config_file``: a config of the package's ``configs/`` as ``configs/NAME``
+    (the path in a checkout, where ``configs`` links to the package's), however it was reached; any other
+    as given."""
+    relative = os.path.relpath(os.path.realpath(config_file), os.path.realpath(model_zoo.CONFIG_DIR))
+    return "configs/" + relative.replace(os.sep, "/") if not relative.startswith("..") else config_file
+
+
 def describe(cfg, config_file: str, runs: Sequence[RunSpec]) -> str:
     """The paragraph above the results table: what was trained and evaluated, and how to read it."""
-    relative = os.path.relpath(os.path.abspath(config_file), os.path.dirname(model_zoo.CONFIG_DIR))
-    config = relative if not relative.startswith("..") else config_file
+    config = config_label(config_file)
     seeds = sorted({run.seed for run in runs})
     iterations = sorted({run.iterations for run in runs})
     init = "trained from scratch" if not cfg.MODEL.WEIGHTS else f"trained from `{cfg.MODEL.WEIGHTS}`"

@@ -37,6 +37,16 @@ def test_settings_name_the_backbone_then_fpn_and_heads():
     ]  # fmt: skip
 
 
+def test_a_packaged_config_is_named_by_its_checkout_path(tmp_path):
+    """The default config (the package's file) and the checkout's configs/ link to it read the same."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert compare_norms.config_label(CONFIG) == "configs/demo_compare_norms.yaml"
+    linked = os.path.join(repo, "configs", "demo_compare_norms.yaml")
+    assert compare_norms.config_label(linked) == "configs/demo_compare_norms.yaml"
+    elsewhere = str(tmp_path / "mine.yaml")
+    assert compare_norms.config_label(elsewhere) == elsewhere
+
+
 @pytest.mark.parametrize("text", ["XN", "SN/GN/BN", "SN/", ""])
 def test_a_bad_setting_lists_the_valid_norms(text):
     with pytest.raises(ValueError, match=r"expected NORM or BACKBONE/HEAD with norms from \[.*'SN'.*'BN'"):
