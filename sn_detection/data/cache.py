@@ -3,7 +3,9 @@
 A split is written into a temporary sibling folder and renamed into place only once complete, with a
 manifest of every file's size and SHA-256 written last. A folder whose manifest is missing, describes
 other generation arguments, or disagrees with the files (a killed run, a truncated or edited file) is
-removed and generated again (so is a file or link in its place).
+removed and generated again (so is a file or link in its place). The temporary folder's name holds the
+writing process's id; one left behind by a process that no longer runs (killed before it could clean up)
+is removed by the next writer of the same folder, so a cache of backbones does not fill the disk.
 
 Every generated dataset lives under one data root, ``data_root()``: ``$SN_DETECTION_DATA``, by default
 ``~/.cache/sn_detection/datasets``.
@@ -62,13 +64,34 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
+def _process_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_abandoned(folder: str) -> None:
+    """Remove the temporary siblings of `folder` whose writing process no longer runs."""
+    parent, prefix = os.path.dirname(folder), f".{os.path.basename(folder)}."
+    for name in os.listdir(parent):
+        pid = name[len(prefix):].split(".", 1)[0]
+        if name.startswith(prefix) and pid.isdigit() and not _process_runs(int(pid)):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
 def ensure_folder(folder: str, key: dict, generate: Callable[[str], None]) -> str:
     """Returns `folder`, first (re)generating it with `generate(tmp_folder)` unless it is intact."""
     if is_intact(folder, key):
         return folder
-    parent = os.path.dirname(os.path.abspath(folder))
+    folder = os.path.abspath(folder)
+    parent = os.path.dirname(folder)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.", dir=parent)
+    _remove_abandoned(folder)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.{os.getpid()}.", dir=parent)
     try:
         generate(tmp)
         with open(os.path.join(tmp, MANIFEST), "w") as f:

@@ -71,3 +71,37 @@ def test_failed_generation_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="disk full"):
         ensure_folder(str(tmp_path / "toy"), KEY, broken)
     assert os.listdir(tmp_path) == []
+
+
+_KILLED_WRITER = """
+import sys, time
+from sn_detection.data.cache import ensure_folder
+
+def generate(folder):
+    open(folder + "/a.txt", "w").close()
+    print("writing", flush=True)
+    time.sleep(600)
+
+ensure_folder(sys.argv[1], {"name": "toy", "version": 1}, generate)
+"""
+
+
+def test_temporary_folder_of_a_killed_writer_is_removed_by_the_next(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    folder = str(tmp_path / "toy")
+    writer = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, folder], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "writing"
+    writer.send_signal(signal.SIGKILL)  # no chance to clean up
+    writer.wait()
+    (abandoned,) = os.listdir(tmp_path)
+    assert abandoned.startswith(f".toy.{writer.pid}.")
+    live = tmp_path / f".toy.{os.getpid()}.another-writer"  # a writer that still runs: left alone
+    live.mkdir()
+
+    generate = CountingGenerator()
+    ensure_folder(folder, KEY, generate)
+    assert generate.calls == 1 and is_intact(folder, KEY)
+    assert sorted(os.listdir(tmp_path)) == [live.name, "toy"]
