@@ -15,7 +15,7 @@ raises instead:
 - ``ValueError`` when not one tensor of the checkpoint loads into the model: a checkpoint of another
   architecture, or an ImageNet model that ``tools/convert_pretrained.py`` has not converted;
 - ``ValueError`` when a layer of ours in the file is of another norm or options than the model's (the
-  identity each saves, ``layers.identity``; detectron2's own loader fails there too, with torch's
+  identity each saves, ``layers.base``; detectron2's own loader fails there too, with torch's
   RuntimeError), listing every such layer;
 - ``ValueError`` when resuming from, or evaluating (``evaluate_from``), a checkpoint that is not of this
   very model (a tensor or a layer's identity missing, unexpected or of another shape), or evaluating
@@ -122,7 +122,7 @@ class CheckedCheckpointer(DetectionCheckpointer):
         saved = {key.removeprefix("module.") for key in checkpoint["model"]}  # detectron2 strips DDP's prefix
         try:
             incompatible = super()._load_model(checkpoint)
-        except RuntimeError as error:  # torch's load_state_dict: our layers' identities differ (``layers.identity``)
+        except RuntimeError as error:  # torch's load_state_dict: our layers' identities differ (``layers.base``)
             if not self._whole_for:
                 raise ValueError(f"cannot load weights from {self._loading}: {error}") from error
             raise ValueError(f"cannot {self._whole_for} {self._loading}: it is not a checkpoint of this model: "
@@ -130,7 +130,7 @@ class CheckedCheckpointer(DetectionCheckpointer):
         # detectron2 takes pixel_mean / pixel_std from the config when the checkpoint lacks them
         from_config = set(dict(self.model.named_buffers(recurse=False)))
         model_keys = set(self.model.state_dict())
-        # identities the file lacks: not reported by torch (``layers.identity``), not loaded either
+        # identities the file lacks: not reported by torch (``layers.base``), not loaded either
         unchecked = {key for key in model_keys if key.endswith(IDENTITY_KEY)} - saved
         shaped = {key for key, _, _ in incompatible.incorrect_shapes}  # also reported missing: not loaded
         if model_keys <= set(incompatible.missing_keys) | from_config | unchecked | shaped:
@@ -147,7 +147,7 @@ class CheckedCheckpointer(DetectionCheckpointer):
         not save (pixel_mean / pixel_std, which other detectron2 versions saved) and, when evaluating,
         BatchNorm's training counter, which converted checkpoints lack and FrozenBN has not (a resumed run
         needs it: its absence means another norm). Counted: the ``unchecked`` identities of our layers that
-        the file lacks, which detectron2 does not report (``layers.identity``): BatchNorm's tensors would
+        the file lacks, which detectron2 does not report (``layers.base``): BatchNorm's tensors would
         load into BNSR, GN's into PONO."""
         unsaved = {name for name, _ in self.model.named_buffers()} - model_keys
         no_weights = unsaved | from_config

@@ -27,7 +27,7 @@ seams, and with no state outside the config.
   LazyConfig, where there is no ``MODEL.SN``, the options are plain arguments of the factory:
   ``norm=L(NormFactory)(name="SN", momentum=0.05)`` (``configs/lazy``).
 - Frozen stages need nothing here: our layers freeze themselves when detectron2 freezes their parameters
-  (``sn_detection.layers.freezing``).
+  (``sn_detection.layers.base``).
 
 Why not the alternatives: patching ``get_norm`` in every detectron2 module (our former design) needs the
 options from somewhere, and process-global options were silently lost by every entry point that had not

@@ -1,6 +1,7 @@
 """Normalization layers in pure PyTorch (no detectron2 import); ``build_norm`` creates them by name,
 ``NormFactory`` for any channel count, ``update_batch_average`` runs the SN paper's batch average."""
 
+from .base import IDENTITY_KEY, FreezableNorm, NormBase, NormIdentity
 from .batch_average import batch_statistics_modules, has_batch_statistics, update_batch_average
 from .dynamic import DynamicNorm2d
 from .factory import (
@@ -14,9 +15,7 @@ from .factory import (
     norm_class,
     norm_options,
 )
-from .freezing import FreezableNorm
 from .group import GroupNorm2d
-from .identity import IDENTITY_KEY, NormIdentity
 from .mode import ModeGroupNorm2d, ModeNorm2d
 from .positional import PositionalNorm2d, moment_shortcut, pono
 from .running import RunningMoments
@@ -32,6 +31,7 @@ __all__ = [
     "GroupNorm2d",
     "ModeGroupNorm2d",
     "ModeNorm2d",
+    "NormBase",
     "NormBuildError",
     "NormFactory",
     "NormIdentity",

@@ -71,8 +71,7 @@ from torch import Tensor, nn
 
 from . import passes
 from .dynamic_kernels import DynamicKernels
-from .identity import NormIdentity
-from .options import BOOLEAN, FRACTION, POSITIVE, POSITIVE_INT, Rule, check_num_channels, check_options
+from .options import BOOLEAN, FRACTION, POSITIVE, POSITIVE_INT, Rule
 from .running import RunningMoments, group_sums, moments_from_sums
 from .statistics import MomentNormalizer, affine_from_moments
 
@@ -129,7 +128,7 @@ def _expressible_groups(num_channels: int) -> list[int]:
 _GROUP_COUNT = Rule(lambda v: v is None or POSITIVE_INT.holds(v), "an int >= 1 (or None: the default grouping)")
 
 
-class DynamicNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
+class DynamicNorm2d(MomentNormalizer, RunningMoments):
     """Dynamic Normalization over (N, C, H, W) input; see the module docstring for the equations.
 
     Args:
@@ -153,16 +152,9 @@ class DynamicNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
         init_groups: Optional[int] = None,
         init_batch_pool: bool = False,
     ):
-        check_num_channels(type(self), num_channels)
-        check_options(
-            type(self), self.option_rules, eps=eps, momentum=momentum, init_groups=init_groups,
-            init_batch_pool=init_batch_pool,
-        )  # fmt: skip
-        super().__init__()
-        self.num_channels = num_channels
-        self.eps = eps
-        self.momentum = momentum
-
+        super().__init__(
+            num_channels, eps=eps, momentum=momentum, init_groups=init_groups, init_batch_pool=init_batch_pool
+        )
         levels, odd = _split_odd_factor(num_channels)
         # Channel sub-axes of the (M, 2, ..., 2, r) view of an (M, C) tensor, finest factor first:
         # dimension levels + 1 is r, dimension levels - j is bit j of the channel's power-of-two part.
@@ -177,9 +169,6 @@ class DynamicNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
                 f"channels; valid choices: {valid} (C itself, or a power of two dividing C)"
             )
         self.init_groups = min(_DEFAULT_GROUPS, 2**levels) if init_groups is None else init_groups
-        self.init_batch_pool = init_batch_pool
-        self.weight = nn.Parameter(torch.empty(num_channels))
-        self.bias = nn.Parameter(torch.empty(num_channels))
         self.channel_gates = nn.Parameter(torch.empty(len(self._gated_sizes)))
         self.batch_gate = nn.Parameter(torch.empty(()))
         self._register_running_moments(num_channels)
@@ -187,10 +176,8 @@ class DynamicNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
 
     def reset_parameters(self) -> None:
         """Affine 1, 0; the initial gates (``init_groups``, ``init_batch_pool``); running statistics reset."""
-        self.reset_running_stats()
+        super().reset_parameters()
         with torch.no_grad():
-            nn.init.ones_(self.weight)
-            nn.init.zeros_(self.bias)
             self.channel_gates.copy_(self._initial_channel_logits(self.init_groups))
             self.batch_gate.fill_(_GATE_LOGIT_INIT if self.init_batch_pool else -_GATE_LOGIT_INIT)
 
@@ -258,4 +245,4 @@ class DynamicNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
         return mean.reshape(rows, self.num_channels), var.reshape(rows, self.num_channels)
 
     def extra_repr(self) -> str:
-        return f"{self.num_channels}, eps={self.eps}, momentum={self.momentum}, grouping={self.selected_grouping()}"
+        return f"{super().extra_repr()}, grouping={self.selected_grouping()}"

@@ -2,7 +2,7 @@
 form, between the four full-size passes.
 
 ``statistics.normalize_by_moments`` runs a layer's (N, C) statistics (LN and BN moments, mixtures, running
-statistics) as separate tensor operations and differentiates them with autograd: 80 to 600 operations per
+statistics) as separate tensor operations and differentiates them with autograd: many small operations per
 forward and backward, each a kernel launch on a GPU, which costs host time whatever it computes. Here a
 layer with closed forms (``FusedStatistics``) runs as
 

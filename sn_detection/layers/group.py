@@ -3,33 +3,37 @@
     y = gamma * (x - mu_g) / sqrt(var_g + eps) + beta,  moments over (C / G channels of a group, H, W)
 
 A subclass of ``torch.nn.GroupNorm`` so that parameters (``weight``, ``bias`` of shape (C,)) and state
-dicts are PyTorch's; only two things change. The constructor takes the channel count first, like the
-other layers of this package, and fails with both numbers when they do not divide. The forward computes
-in at least float32 and returns the input's dtype, so fp16 inputs and bf16 autocast regions (where
-PyTorch would return float32) behave as for the other layers; so does a layer whose parameters were
-converted to fp16 or bf16.
+dicts are PyTorch's, and code that recognises torch's GroupNorm (detectron2's optimizer rules for norm
+parameters, converters) recognises it; and of this package's ``NormBase``, for the constructor's checks,
+the saved identity, freezing and ``extra_repr``. Two things change from PyTorch's. The constructor takes
+the channel count first, like the other layers of this package, and fails with both numbers when they do
+not divide. The forward computes in at least float32 and returns the input's dtype, so fp16 inputs and
+bf16 autocast regions (where PyTorch would return float32) behave as for the other layers; so does a
+layer whose parameters were converted to fp16 or bf16.
 """
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .identity import NormIdentity
-from .options import POSITIVE, POSITIVE_INT, check_num_channels, check_options
+from .base import NormBase
+from .options import POSITIVE, POSITIVE_INT
 from .statistics import check_input, stat_dtype
 
 
-class GroupNorm2d(NormIdentity, nn.GroupNorm):
-    """GN over (N, C, H, W) inputs with ``num_groups`` groups of channels."""
+class GroupNorm2d(NormBase, nn.GroupNorm):
+    """GN over (N, C, H, W) inputs with ``num_groups`` groups of channels.
+
+    ``nn.GroupNorm``'s constructor builds it (``weight``, ``bias`` and its attributes, then
+    ``reset_parameters``, the base's: affine 1, 0, as torch's); the base's constructor, which would build
+    the same, is not run, but its checks are."""
 
     option_rules = {"num_groups": POSITIVE_INT, "eps": POSITIVE}
-    gate_parameters = ()
 
     def __init__(self, num_channels: int, *, num_groups: int = 32, eps: float = 1e-5):
-        check_num_channels(type(self), num_channels)
-        check_options(type(self), self.option_rules, num_groups=num_groups, eps=eps)
+        self.check_arguments(num_channels, num_groups=num_groups, eps=eps)
         if num_channels % num_groups:
             raise ValueError(f"GroupNorm2d: num_channels={num_channels} is not divisible by num_groups={num_groups}")
-        super().__init__(num_groups, num_channels, eps=eps)
+        nn.GroupNorm.__init__(self, num_groups, num_channels, eps=eps)
 
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.num_channels)

@@ -16,7 +16,7 @@ this package is launched through ``triton_kernels.launch``. Counted:
 
 Run on the kernel path (a CUDA GPU, or the CPU under ``TRITON_INTERPRET=1``) the layers' counts are the
 kernels a GPU profiler records for them; some ATen operations launch several kernels on a GPU (torch's
-group norm: 8 for its 2 operations), so for other code the count is a lower bound.
+group norm, for one), so for other code the count is a lower bound.
 ``layer_counts`` counts every layer of ``build_norm`` beside torch's GroupNorm and BatchNorm
 (``tools/count_launches.py``).
 """

@@ -55,9 +55,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import passes
-from .identity import NormIdentity
 from .mode_kernels import ModeGroupKernels, ModeKernels
-from .options import FRACTION, POSITIVE, POSITIVE_INT, check_num_channels, check_options
+from .options import FRACTION, POSITIVE, POSITIVE_INT
 from .running import RunningMoments, mode_sums, moments_from_sums
 from .statistics import MomentNormalizer
 
@@ -65,7 +64,7 @@ from .statistics import MomentNormalizer
 _MIN_MODE_WEIGHT = 1e-6
 
 
-class ModeNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
+class ModeNorm2d(MomentNormalizer, RunningMoments):
     """Mode Normalization (Alg. 1 and 2) over (N, C, H, W) input; see the module docstring.
 
     Args:
@@ -81,24 +80,14 @@ class ModeNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
     mixture_running_var = True
 
     def __init__(self, num_channels: int, *, num_modes: int = 2, eps: float = 1e-5, momentum: float = 0.1):
-        check_num_channels(type(self), num_channels)
-        check_options(type(self), self.option_rules, num_modes=num_modes, eps=eps, momentum=momentum)
-        super().__init__()
-        self.num_channels = num_channels
-        self.num_modes = num_modes
-        self.eps = eps
-        self.momentum = momentum
-        self.weight = nn.Parameter(torch.empty(num_channels))
-        self.bias = nn.Parameter(torch.empty(num_channels))
+        super().__init__(num_channels, num_modes=num_modes, eps=eps, momentum=momentum)
         self.gate = nn.Linear(num_channels, num_modes)
         self._register_running_moments((num_modes, num_channels))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Affine 1, 0; the gate as torch initialises a Linear; running statistics reset."""
-        self.reset_running_stats()
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
+        super().reset_parameters()
         self.gate.reset_parameters()
 
     def gate_logits(self, mean: Tensor) -> Tensor:
@@ -138,11 +127,8 @@ class ModeNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
             return None
         return ModeKernels.create(self, x, _MIN_MODE_WEIGHT)
 
-    def extra_repr(self) -> str:
-        return f"{self.num_channels}, num_modes={self.num_modes}, eps={self.eps}, momentum={self.momentum}"
 
-
-class ModeGroupNorm2d(NormIdentity, MomentNormalizer, nn.Module):
+class ModeGroupNorm2d(MomentNormalizer):
     """Mode Group Normalization (Alg. 3, Eq. 5) over (N, C, H, W) input; see the module docstring.
 
     Args:
@@ -155,21 +141,13 @@ class ModeGroupNorm2d(NormIdentity, MomentNormalizer, nn.Module):
     gate_parameters = ("gate.weight", "gate.bias")
 
     def __init__(self, num_channels: int, *, num_modes: int = 2, eps: float = 1e-5):
-        check_num_channels(type(self), num_channels)
-        check_options(type(self), self.option_rules, num_modes=num_modes, eps=eps)
-        super().__init__()
-        self.num_channels = num_channels
-        self.num_modes = num_modes
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(num_channels))
-        self.bias = nn.Parameter(torch.empty(num_channels))
+        super().__init__(num_channels, num_modes=num_modes, eps=eps)
         self.gate = nn.Linear(1, num_modes)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Affine 1, 0; the gate as torch initialises a Linear."""
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
+        super().reset_parameters()
         self.gate.reset_parameters()
 
     def gate_logits(self, mean: Tensor) -> Tensor:
@@ -205,6 +183,3 @@ class ModeGroupNorm2d(NormIdentity, MomentNormalizer, nn.Module):
         spread = (mean[:, :, None] - mode_mean[:, None, :]).square()
         mode_var = torch.einsum("nck,nc->nk", share, var) + (share * spread).sum(1)
         return mode_mean, mode_var
-
-    def extra_repr(self) -> str:
-        return f"{self.num_channels}, num_modes={self.num_modes}, eps={self.eps}"

@@ -16,8 +16,8 @@ E[x^2] - E[x]^2 and a summed mean lose digits, again in float64 by the centred t
 model runs this branch always, since the tracer cannot record a data-dependent branch); the affine passes
 and the backward's dot product go through BatchNorm's evaluation kernels on the (1, N*C, H*W) view, whose
 forward is exactly (x - mean) * weight / sqrt(var + eps) + bias and whose backward computes exactly the two
-sums (with mean = center, var = 1, eps = 0), in one fused pass each. On CPU these are ~15% faster than
-broadcasting ops, whose cost, like that of all full-size writes, dominates the layer.
+sums (with mean = center, var = 1, eps = 0), in one fused pass each rather than several broadcasting ops
+(full-size passes dominate the layer's cost).
 
 The Triton path: one kernel each, reading fp16 / bf16 inputs directly (no fp32 copy), NCHW or
 channels_last; ``moments`` in one read with shifted sums (exact whatever the ratio). It is taken for CUDA

@@ -18,10 +18,10 @@ operations, which are also the kernels' oracle in the tests.
 """
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .identity import NormIdentity
-from .options import POSITIVE, check_num_channels, check_options
+from .base import NormBase
+from .options import POSITIVE
 from .positional_kernels import positional_norm, supports
 from .statistics import check_input, stat_dtype
 
@@ -45,23 +45,14 @@ def moment_shortcut(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     return x * std + mean
 
 
-class PositionalNorm2d(NormIdentity, nn.Module):
+class PositionalNorm2d(NormBase):
     """PONO followed by a per-channel affine."""
 
     option_rules = {"eps": POSITIVE}
-    gate_parameters = ()
 
     def __init__(self, num_channels: int, *, eps: float = 1e-5):
-        check_num_channels(type(self), num_channels)
-        check_options(type(self), self.option_rules, eps=eps)
-        super().__init__()
-        self.num_channels = num_channels
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(num_channels))
-        self.bias = nn.Parameter(torch.zeros(num_channels))
-
-    def extra_repr(self) -> str:
-        return f"{self.num_channels}, eps={self.eps}"
+        super().__init__(num_channels, eps=eps)
+        self.reset_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.num_channels)

@@ -1,6 +1,6 @@
 """Running statistics of the layers whose test-time statistics pool training batches, and the SN paper's
-batch average: one base, ``RunningMoments``, for SN / SyncSN (the BN branch), DN (batch pooling), MN
-(per-mode estimates) and BNSR, as torch's ``_NormBase`` is for every BatchNorm.
+batch average: ``RunningMoments``, the extension of ``base.NormBase`` for SN / SyncSN (the BN branch), DN
+(batch pooling), MN (per-mode estimates) and BNSR, as torch's ``_BatchNorm`` extends its ``_NormBase``.
 
 A layer hands each training batch's statistics to ``_track`` as ``MomentSums``: per channel (per mode and
 channel for MN, whose samples count for a mode in proportion to their gates) the total weight, the
@@ -30,8 +30,8 @@ instead of moving the running statistics, and ``finish`` stores the statistics o
 of one batch (``num_batches_tracked`` is left alone; a channel or mode that received no value keeps its
 statistics). ``sn_detection.layers.batch_average`` runs it over a whole model.
 
-State dicts of earlier versions load: ``num_batches_tracked`` is added where it was missing (DN and MN
-had none), and MN's former ``running_sq_mean`` (E[x^2]) becomes ``running_var``.
+State dicts of version 1 (``_version``) load: a missing ``num_batches_tracked`` (DN's and MN's at
+version 1) is added, and a ``running_sq_mean`` (MN's E[x^2] at version 1) becomes ``running_var``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from .freezing import FreezableNorm
+from .base import NormBase
 
 NO_STATISTICS = (
     "batch average has no statistics: run forwards in training mode on non-empty batches between "
@@ -143,8 +143,9 @@ def _per_row(mask: Tensor, target: Tensor) -> Tensor:
     return mask
 
 
-class RunningMoments(FreezableNorm):
-    """Mixin owning the running statistics and the batch average of a norm layer (module docstring).
+class RunningMoments(NormBase):
+    """A norm layer with running statistics and the batch average (module docstring); its options
+    include ``momentum``.
 
     A subclass calls ``_register_running_moments(shape)`` in its constructor (or not at all, when a
     configuration has nothing to estimate, like SN without its BN branch: then tracking and the batch
@@ -163,6 +164,11 @@ class RunningMoments(FreezableNorm):
 
     def _tracks_running_moments(self) -> bool:
         return "running_mean" in self._buffers
+
+    def reset_parameters(self) -> None:
+        """Running statistics reset, affine 1, 0."""
+        self.reset_running_stats()
+        super().reset_parameters()
 
     def reset_running_stats(self) -> None:
         """Running mean 0, running variance 1, no batch tracked (torch's BatchNorm convention)."""

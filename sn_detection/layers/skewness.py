@@ -23,10 +23,9 @@ Choices the paper leaves open:
 """
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .identity import NormIdentity
-from .options import FRACTION, POSITIVE, check_num_channels, check_options
+from .options import FRACTION, POSITIVE
 from .running import RunningMoments, group_sums, moments_from_sums
 from . import passes
 from .skewness_kernels import SkewnessKernels, skewness_reduced
@@ -63,34 +62,16 @@ def signed_power(z: Tensor, p: float) -> Tensor:
     return _SignedPower.apply(z, p)
 
 
-class SkewnessReducedBatchNorm2d(NormIdentity, RunningMoments, nn.Module):
+class SkewnessReducedBatchNorm2d(RunningMoments):
     """BNSR over (N, C, H, W) inputs; drop-in for ``BatchNorm2d`` (same parameters and buffers)."""
 
     option_rules = {"p": POSITIVE, "eps": POSITIVE, "momentum": FRACTION}
-    gate_parameters = ()
     unbiased_running_var = True
 
     def __init__(self, num_channels: int, *, p: float = 1.01, eps: float = 1e-5, momentum: float = 0.1):
-        check_num_channels(type(self), num_channels)
-        check_options(type(self), self.option_rules, p=p, eps=eps, momentum=momentum)
-        super().__init__()
-        self.num_channels = num_channels
-        self.p = p
-        self.eps = eps
-        self.momentum = momentum
-        self.weight = nn.Parameter(torch.empty(num_channels))
-        self.bias = nn.Parameter(torch.empty(num_channels))
+        super().__init__(num_channels, p=p, eps=eps, momentum=momentum)
         self._register_running_moments(num_channels)
         self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Affine 1, 0 and running statistics reset, as BatchNorm2d."""
-        self.reset_running_stats()
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_channels}, p={self.p}, eps={self.eps}, momentum={self.momentum}"
 
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.num_channels)

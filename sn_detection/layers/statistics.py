@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from . import fused, passes
-from .freezing import FreezableNorm
+from .base import NormBase
 from .passes import plain_scale_shift, stat_dtype
 
 
@@ -147,10 +147,10 @@ def check_input(x: Tensor, num_channels: int) -> None:
         raise TypeError(f"expected floating-point input, got {x.dtype}")
 
 
-class MomentNormalizer(FreezableNorm):
-    """Mixin for a layer whose output is ``normalize_by_moments`` with its own
-    ``scale_and_shift(mean_in, var_in, spatial_size) -> (scale, shift)`` (centred at mean_in) and
-    ``num_channels``; frozen while its parameters are (``freezing``)."""
+class MomentNormalizer(NormBase):
+    """A norm layer whose output is ``normalize_by_moments`` with its own
+    ``scale_and_shift(mean_in, var_in, spatial_size) -> (scale, shift)`` (centred at mean_in); a frozen
+    one normalizes as in evaluation (``base``)."""
 
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.num_channels)

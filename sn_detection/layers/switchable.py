@@ -48,30 +48,20 @@ from torch import Tensor, nn
 
 from . import passes
 from .fused import FusedStatistics
-from .identity import NormIdentity
-from .options import BOOLEAN, FRACTION, POSITIVE, check_num_channels, check_options
+from .options import BOOLEAN, FRACTION, POSITIVE
 from .running import MomentSums, RunningMoments, group_sums, moments_from_sums
 from .statistics import MomentNormalizer, affine_from_moments, layer_moments
 from .switchable_kernels import SwitchableClosedForms, SwitchableKernels
 
 
-class SwitchableNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module):
+class SwitchableNorm2d(MomentNormalizer, RunningMoments):
     """Switchable Normalization over (N, C, H, W) inputs; see the module docstring."""
 
     option_rules = {"eps": POSITIVE, "momentum": FRACTION, "use_bn": BOOLEAN}
-    # the parameters that choose statistics (the optimizer's gate rules apply to them)
     gate_parameters = ("mean_weight", "var_weight")
 
     def __init__(self, num_channels: int, *, eps: float = 1e-5, momentum: float = 0.1, use_bn: bool = True):
-        check_num_channels(type(self), num_channels)
-        check_options(type(self), self.option_rules, eps=eps, momentum=momentum, use_bn=use_bn)
-        super().__init__()
-        self.num_channels = num_channels
-        self.eps = eps
-        self.momentum = momentum
-        self.use_bn = use_bn
-        self.weight = nn.Parameter(torch.empty(num_channels))
-        self.bias = nn.Parameter(torch.empty(num_channels))
+        super().__init__(num_channels, eps=eps, momentum=momentum, use_bn=use_bn)
         num_branches = 3 if use_bn else 2
         self.mean_weight = nn.Parameter(torch.empty(num_branches))
         self.var_weight = nn.Parameter(torch.empty(num_branches))
@@ -81,14 +71,9 @@ class SwitchableNorm2d(NormIdentity, MomentNormalizer, RunningMoments, nn.Module
 
     def reset_parameters(self) -> None:
         """Affine 1, 0; every logit 1 (the paper's lambda = 1: equal importance); running statistics reset."""
-        self.reset_running_stats()
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
+        super().reset_parameters()
         nn.init.ones_(self.mean_weight)
         nn.init.ones_(self.var_weight)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_channels}, eps={self.eps}, momentum={self.momentum}, use_bn={self.use_bn}"
 
     def scale_and_shift(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         """The per-(n, c) scale and shift this layer applies, y = (x - mean_in) * scale + shift, from the IN

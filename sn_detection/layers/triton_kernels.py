@@ -15,63 +15,43 @@ Loads are widened to float32 and all arithmetic and accumulation is float32; ful
 rounded once to x's dtype. Anything else (float64, other vector dtypes or shapes) raises ValueError, the
 caller's cue to fall back to its PyTorch path.
 
-Layouts. Two memory layouts are supported, and a full-size output has its input's layout:
+Layouts. NCHW-contiguous (the H*W elements of a map contiguous) and channels_last (the C channels of one
+pixel contiguous); a full-size output has its input's layout, grad_y must have x's, and any other strides
+raise ValueError (the caller may ``.contiguous()`` and retry). A tensor that is both (C == 1 or
+H*W == 1) is treated as NCHW.
 
-- NCHW-contiguous: the H*W elements of a map are contiguous (stride 1), maps follow each other.
-- channels_last (NHWC in memory): the H*W elements of a map are strided by C; the C channels of one
-  pixel are contiguous.
+Tiling. Every kernel works on tiles [BLOCK_C, BLOCK_HW] of one sample whose long axis is memory's
+contiguous one, so that a warp's loads are coalesced:
 
-Any other strides raise ValueError (the caller may ``.contiguous()`` and retry); grad_y must have the
-same layout as x. When a tensor is both (C == 1 or H*W == 1) the two layouts address memory identically,
-and it is treated as NCHW.
-
-Tiling. Every kernel works on tiles [BLOCK_C, BLOCK_HW] of one sample: BLOCK_C channels by BLOCK_HW
-pixels. The layout decides the tile's shape, so that the contiguous axis of memory is the long axis of
-the tile and a warp's loads are coalesced:
-
-- NCHW: BLOCK_HW = min(next_pow2(H*W), 2048) along the contiguous pixels, and as many channels
-  (BLOCK_C) as fill a tile of 2048 elements; small maps (7x7, 1x1) are packed several to a tile instead
-  of leaving most lanes masked.
-- channels_last: BLOCK_C = min(next_pow2(C), 32) contiguous channels (32 fp16 = 64 bytes: two full
-  32-byte sectors per pixel; 128 bytes in fp32), by BLOCK_HW = 2048 / BLOCK_C pixels.
+- NCHW: BLOCK_HW = min(next_pow2(H*W), 2048) pixels, and as many channels as fill a tile of 2048
+  elements (small maps are packed several to a tile);
+- channels_last: BLOCK_C = min(next_pow2(C), 32) channels by BLOCK_HW = 2048 / BLOCK_C pixels.
 
 The two reductions (``moments``, ``centered_dot_and_sum``) run one program per (sample, channel block),
-which loops over H*W tile by tile, accumulating a [BLOCK_C, BLOCK_HW] float32 tile of partial sums that
-is reduced across the tile once at the end (each partial sum holds H*W / BLOCK_HW terms, then a tree of
-log2(BLOCK_HW) additions: better rounding than one running sum). A reduction is deterministic: no
-atomics, one program owns each map. Its parallelism is N * ceil(C / BLOCK_C) programs; layers with few
-large maps (small N*C, huge H*W) would gain from a split-H*W reduction, not done here (it would need a
-second pass or atomics). The elementwise kernels run one program per tile, so their parallelism does not
-depend on N*C. All kernels use 4 warps.
+which loops over H*W tile by tile into a [BLOCK_C, BLOCK_HW] float32 tile of partial sums, reduced across
+the tile once at the end (a tree of log2(BLOCK_HW) additions after H*W / BLOCK_HW terms each, rather than
+one running sum). No atomics: one program owns each map, so the reductions are deterministic. The
+elementwise kernels run one program per tile. All kernels use 4 warps.
 
 Indexing. Offsets inside a sample are int32 (the wrappers require C*H*W < 2**31); the sample's base
-offset is computed in int64 once per program, so a batch may exceed 2**31 elements.
+offset is int64, so a batch may exceed 2**31 elements.
 
-Accuracy of ``moments`` (shifted sums). E[x^2] - E[x]^2 in float32 cancels catastrophically when a map's
-mean m is large against its spread s: both terms are ~m^2 and their difference ~s^2, so
-log10(m^2 / s^2) digits are lost (8 of float32's 7 at m / s = 1e4: nothing left). The kernel instead sums
-d = x - k for a per-map shift k and returns mean = k + E[d], var = E[d^2] - E[d]^2 (at least 0). The
-shift is the float32 mean of the map's first tile (its first BLOCK_HW elements, or all of a map that fits
-in one tile): the program loads that tile, reduces it to k, and accumulates the same registers into the
-shifted sums before it moves on, so x is still read once. This is accurate because
+Numerics of ``moments`` (shifted sums). E[x^2] - E[x]^2 in float32 loses log10(m^2 / s^2) digits for a map
+of mean m and spread s. The kernel instead sums d = x - k for a per-map shift k and returns
+mean = k + E[d], var = E[d^2] - E[d]^2 (at least 0), with k the float32 mean of the map's first tile
+(reduced from the same registers that then enter the sums, so x is still read once):
 
-1. d is exact: when |m| >> s every element of the map, and k (a mean of some of them), lie within a
-   factor 2 of each other, and the float32 difference of two such numbers is exact (Sterbenz's lemma).
-   No digit of the data is lost by the shift. (When |m| is not >> s there is nothing to lose.)
-2. d is of the size of the spread, not of the mean, and the final subtraction cancels only
-   E[d]^2 = (m - k)^2, not m^2: E[d^2] = s^2 + (m - k)^2, so log10(1 + (m - k)^2 / s^2) digits are lost.
-   That is none for a map within one tile (k is its own mean: the two-pass formula in one read) and
-   next to none when the first tile is representative (m - k ~ s / sqrt(BLOCK_HW)). The plain choice
-   k = x[n, c, 0, 0] would lose about a digit for a first element 3 spreads from the mean: the tests
-   measured 1.3e-6 relative error on the variance against BatchNorm's 2e-7; this shift gives 1e-7.
-3. The mean is k plus a small correction E[d], whose own rounding is relative to s, not m.
+1. d is exact: when |m| >> s the elements and k lie within a factor 2 of each other, and the float32
+   difference of two such numbers is exact (Sterbenz's lemma).
+2. d is of the size of the spread, and the final subtraction cancels only E[d]^2 = (m - k)^2, not m^2:
+   nothing for a map within one tile (k is its own mean), next to nothing when the first tile is
+   representative (m - k ~ s / sqrt(BLOCK_HW)); a single element as k would be off by a few spreads.
+3. The mean is k plus a small correction E[d], whose rounding is relative to s, not m.
 
-So the variance keeps about as many digits as BatchNorm's two-pass (or Welford) float32 computation,
-whatever the ratio m / s, in a single read of x. The same holds for ``centered_dot_and_sum``, whose
-x - center is exact for the same reason when center is the map's mean, and for ``scale_shift`` and
-``grad_input`` given a center: x * scale alone would round to the size of m / s and lose as many digits
-(``statistics`` centres its output at the IN mean for this reason; ``scale_shift`` takes the center as an
-optional argument).
+So the variance keeps about as many digits as a two-pass (or Welford) float32 computation, whatever
+m / s, in one read of x. ``centered_dot_and_sum``'s x - center is exact for the same reason when center is
+the map's mean, and so are ``scale_shift`` and ``grad_input`` given a center: x * scale alone would round
+to the size of m / s (``statistics`` centres its output at the IN mean for this reason).
 
 Launching. On a GPU the tensors must be CUDA tensors. Without a GPU, Triton's interpreter runs the same
 kernels on the CPU (numpy, slow: tests only) when TRITON_INTERPRET=1 is set *before this module is

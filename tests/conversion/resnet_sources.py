@@ -173,7 +173,7 @@ def assert_loaded(model: nn.Module, converted: dict, prefixes: tuple[str, ...], 
     model_state = model.state_dict()
     used = set()
     for key in model_state:
-        # our layers' identities are not converted: converted weights load unchecked (layers.identity)
+        # our layers' identities are not converted: converted weights load unchecked (layers.base)
         if not key.startswith(prefixes) or key.endswith((*ignore, IDENTITY_KEY)):
             continue
         matches = [name for name in converted if key == name or key.endswith("." + name)]

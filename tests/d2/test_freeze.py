@@ -11,7 +11,7 @@ from tiny_rcnn import is_frozen_stage, norms_under, snapshot, tiny_cfg, train_st
 
 from detectron2.modeling import build_model
 
-from sn_detection.layers import FreezableNorm, SwitchableNorm2d, build_norm
+from sn_detection.layers import NormBase, SwitchableNorm2d, build_norm
 
 # The layers with batch-dependent statistics, configured so that the batch matters in training.
 FREEZABLE = {"SN": {}, "SyncSN": {}, "DN": {"init_batch_pool": True}, "MN": {}, "BNSR": {}}
@@ -34,7 +34,7 @@ def test_a_frozen_layer_normalizes_as_in_evaluation_and_changes_nothing(name):
 
     layer.freeze().train()
 
-    assert isinstance(layer, FreezableNorm) and layer.frozen and not layer.training
+    assert isinstance(layer, NormBase) and layer.frozen and not layer.training
     assert not any(p.requires_grad for p in layer.parameters())
     assert layer.state_dict().keys() == keys
     x = torch.randn(3, 8, 5, 5)

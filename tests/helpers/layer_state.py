@@ -1,4 +1,4 @@
-"""A layer's state as torch's own layers save it: without the identity ours add (``layers.identity``)."""
+"""A layer's state as torch's own layers save it: without the identity ours add (``layers.base``)."""
 
 from sn_detection.layers import IDENTITY_KEY
 

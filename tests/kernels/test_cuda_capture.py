@@ -13,8 +13,6 @@ if not torch.cuda.is_available():
 
 from sn_detection.layers import NORM_NAMES, build_norm  # noqa: E402
 
-pytest.importorskip("triton")
-
 
 def layer_and_inputs(name, training, dtype=torch.float32, n=2):
     torch.manual_seed(0)

@@ -17,8 +17,7 @@ import textwrap
 
 import pytest
 import torch
-
-triton = pytest.importorskip("triton")
+import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if not INTERPRET and not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""The one base of every layer with running statistics (running.RunningMoments): torch's reset methods,
+"""The base's extension for every layer with running statistics (running.RunningMoments): torch's reset methods,
 one error message for an empty batch average, exact weighted and per-mode pooling, and state dicts of
 earlier versions that still load."""
 

@@ -1,0 +1,175 @@
+"""The one base of every layer of this package, as torch's ``_NormBase`` is for its BatchNorms: ``NormBase``
+owns what every layer does alike, and its extensions add what only some do (``running.RunningMoments``:
+running statistics and the batch average; ``statistics.MomentNormalizer``: the forward of the layers
+whose statistics derive from the IN moments).
+
+Construction. A layer takes the channel count first and its options as keyword-only parameters, and lists
+the rules of their values in ``option_rules`` (``options``); its constructor passes the channel count and
+every option to ``NormBase.__init__``, which checks them (a ValueError naming the layer, the option and
+its valid values), keeps each option as an attribute of the same name, and creates ``weight`` and
+``bias`` of shape (C,). The layer then adds its own tensors and calls ``reset_parameters()``; the base's
+sets the affine to 1, 0 and each extension adds its own part. A class whose ``option_rules`` do not name
+exactly its constructor's keyword-only parameters is refused when it is defined.
+
+Identity. Tensors alone do not say which normalization used them: GN and PONO both have only ``weight``
+and ``bias``, BNSR has BatchNorm's tensors, and GN's group count or a layer's eps has no shape at all. So
+every layer saves its identity in its state dict (torch's ``get_extra_state``, under
+``<module>._extra_state``): the class that defines its computation (the one that declares
+``option_rules``) and the options that change what it computes. Loading a state dict whose identity
+differs fails, naming the module and both identities, on every path that loads state dicts
+(``load_state_dict``, detectron2's checkpointers and so ``DefaultPredictor``). A state dict without
+identities (converted or foreign weights, which know no options) loads unchecked and with no warning;
+detectron2's loaders cannot tell such a file from one of another norm, so ``d2.checkpointer`` requires
+the identities when it evaluates or resumes.
+
+- Not part of the identity: options that only set where training starts or how fast the running
+  estimates move (momentum, DN's initial gates), which a trained state does not depend on.
+- SyncSN's identity is SN's: the same tensors and the same computation in evaluation.
+- TorchScript compiles neither method: a scripted layer's state dict has no identity.
+- It is stored as a fixed-size uint8 tensor (UTF-8, zero-padded), because detectron2's loader compares
+  every entry's shape first and would skip one of another shape with a warning, never reaching the check.
+
+Freezing. A frozen BatchNorm is PyTorch's BatchNorm in evaluation mode with fixed parameters (detectron2
+swaps in ``FrozenBatchNorm2d`` for that when it freezes a stage). Our layers are not swapped; they freeze
+themselves, keeping their class, parameters, buffers and state-dict keys:
+
+- a layer is ``frozen`` when none of its parameters requires a gradient, which is exactly how
+  detectron2's ``ResNet.freeze`` (``MODEL.BACKBONE.FREEZE_AT``, ``freeze_at`` in a LazyConfig) marks a
+  frozen stage; ``freeze()`` does the same by hand;
+- a frozen layer stays in evaluation mode, also when ``train()`` is called on it or on a parent, and the
+  forward of a layer whose training-mode output depends on the batch (SN, SyncSN, DN, MN, MGN, BNSR)
+  first puts it there (for a model trained without ever calling ``train()``): the batch-dependent
+  statistics (SN's BN branch, DN's batch pooling, MN's mode estimates, BNSR's moments) are the stored
+  running ones and are not updated, while per-sample statistics (IN, LN, MN's gates, ...) still come
+  from each sample, exactly as at test time. GN and PONO compute the same in both modes.
+
+Freezing is derived, never stored: every entry point that builds a model with frozen stages (detectron2's
+``build_model``, ``DefaultPredictor``, a LazyConfig's ``instantiate``) gets frozen layers, with no step of
+ours after the build. A frozen layer takes no part in a batch average either (in evaluation mode it
+records nothing). Under TorchScript a scripted layer follows the mode it was scripted in.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import ClassVar, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .options import Rule, check_num_channels, check_options
+
+IDENTITY_KEY = "_extra_state"  # where torch saves get_extra_state(), after the module's prefix
+_IDENTITY_SIZE = 256  # bytes; fixed forever, see the module docstring
+_NOT_IDENTITY = frozenset({"momentum", "init_groups", "init_batch_pool"})
+
+
+class NormBase(nn.Module):
+    """Base of every norm layer of this package: checked options, ``weight`` and ``bias``,
+    ``reset_parameters``, ``extra_repr``, the saved identity and freezing (module docstring)."""
+
+    # declared by each layer class (option name -> Rule), and only there: its identity names that class
+    option_rules: ClassVar[Mapping[str, Rule]]
+    # the parameters that choose statistics rather than scale and shift (the optimizer's gate rules)
+    gate_parameters: ClassVar[tuple[str, ...]] = ()
+    __jit_unused_properties__ = ["frozen"]  # TorchScript compiles properties otherwise
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "option_rules" in vars(cls):
+            parameters = inspect.signature(cls.__init__).parameters.values()
+            options = [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
+            if sorted(options) != sorted(cls.option_rules):
+                raise TypeError(
+                    f"{cls.__name__}: option_rules {sorted(cls.option_rules)} do not match the keyword-only "
+                    f"parameters of its constructor {sorted(options)}"
+                )
+
+    def __init__(self, num_channels: int, **options):
+        self.check_arguments(num_channels, **options)
+        super().__init__()
+        self.num_channels = num_channels
+        for name, value in options.items():
+            setattr(self, name, value)
+        self.weight = nn.Parameter(torch.empty(num_channels))
+        self.bias = nn.Parameter(torch.empty(num_channels))
+
+    @classmethod
+    def check_arguments(cls, num_channels, **options) -> None:
+        """Raise a ValueError naming this class and the problem for a channel count that is not a positive
+        int, an option without a rule, or the first option whose value breaks its rule."""
+        check_num_channels(cls, num_channels)
+        unknown = [name for name in options if name not in cls.option_rules]
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown option {unknown[0]!r}; the options are {list(cls.option_rules)}")
+        check_options(cls, cls.option_rules, **options)
+
+    def reset_parameters(self) -> None:
+        """Affine 1, 0 (extensions and layers add their own tensors' initial values)."""
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        """The channel count and every option, as the constructor takes them."""
+        return ", ".join([str(self.num_channels), *(f"{name}={getattr(self, name)}" for name in self.option_rules)])
+
+    # identity -------------------------------------------------------------------------------------------
+
+    def norm_identity(self) -> str:
+        """The class defining this layer's computation (the one that declares its ``option_rules``) with
+        the options that change it, e.g. ``GroupNorm2d(eps=1e-05, num_groups=32)``."""
+        defining = next(cls for cls in type(self).__mro__ if "option_rules" in vars(cls))
+        options = [f"{name}={getattr(self, name)!r}" for name in sorted(defining.option_rules) if name not in _NOT_IDENTITY]
+        return f"{defining.__name__}({', '.join(options)})"
+
+    def get_extra_state(self) -> Tensor:
+        data = self.norm_identity().encode()
+        if len(data) > _IDENTITY_SIZE:
+            raise ValueError(f"the identity {data!r} is longer than the {_IDENTITY_SIZE} bytes a checkpoint stores")
+        return torch.tensor(list(data.ljust(_IDENTITY_SIZE, b"\0")), dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        """Nothing to set: ``_load_from_state_dict`` has checked the identity, where it knows the module's name."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        key = prefix + IDENTITY_KEY
+        if key in state_dict:
+            saved, own = _decode(state_dict[key]), self.norm_identity()
+            if saved != own:
+                errors.append(f"{prefix[:-1] or 'the layer'} is {own}, but the state dict was saved by {saved}: "
+                              "load it into a model built with that norm and those options")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+        if key in missing:  # weights without an identity load unchecked (module docstring)
+            missing.remove(key)
+
+    # freezing -------------------------------------------------------------------------------------------
+
+    @property
+    def frozen(self) -> bool:
+        """True when no parameter requires a gradient (detectron2's mark of a frozen stage)."""
+        return not any(p.requires_grad for p in self.parameters())
+
+    def freeze(self) -> nn.Module:
+        """Fix the parameters, and so the running statistics, for good (see the module docstring)."""
+        self.requires_grad_(False)
+        return self.train(False)
+
+    def train(self, mode: bool = True) -> nn.Module:
+        return super().train(mode and not self.frozen)
+
+    @torch.jit.unused
+    def _follow_freezing(self) -> None:
+        """Leave training mode if frozen: called by the forward, outside TorchScript."""
+        if self.training and self.frozen:
+            self.train(False)
+
+
+def _decode(state) -> str:
+    if not (isinstance(state, Tensor) and state.dtype == torch.uint8 and state.shape == (_IDENTITY_SIZE,)):
+        return f"an unreadable identity ({type(state).__name__} {getattr(state, 'shape', '')})"
+    return bytes(state.tolist()).rstrip(b"\0").decode(errors="replace")
+
+
+# The mixins this base unites kept their names: code that subclasses or checks them gets the base.
+NormIdentity = NormBase
+FreezableNorm = NormBase
