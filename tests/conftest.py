@@ -5,8 +5,21 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test, then torch's count as it was. The models and tensors of the tests
+    that use it are tiny: one thread is fastest, several spin on a loaded shared CPU, and one thread also
+    makes CPU reductions bit-exact from run to run (the pretraining resume test). A module takes it for
+    all its tests with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,8 @@ SHRINK = [
     "MODEL.ROI_MASK_HEAD.CONV_DIM", 64, "DATALOADER.NUM_WORKERS", 0, "TEST.BATCH_AVERAGE.NUM_BATCHES", 1,
 ]  # fmt: skip
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 
 def load(name, shrink=True):
     cfg = get_cfg()
@@ -45,15 +47,6 @@ def load(name, shrink=True):
     if shrink:
         cfg.merge_from_list(SHRINK)
     return cfg
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: one intra-op thread is several times faster than two on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

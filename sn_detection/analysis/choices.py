@@ -143,8 +143,9 @@ def choices_from_state_dict(state_dict: Mapping[str, Tensor]) -> list[Choice]:
 def mode_layers_in_state_dict(state_dict: Mapping[str, Tensor]) -> list[ModeGates]:
     """The MN / MGN layers in ``state_dict``, as ``ModeGates`` with nothing observed. A mode layer is a
     ``P.gate`` linear map next to ``P.weight``: MN's gate reads all C channel means and the layer keeps
-    per-mode running statistics ``P.running_var`` of shape (K, C) (``P.running_sq_mean`` in earlier
-    versions); MGN's gate reads one channel mean at a time (its weight is (K, 1))."""
+    per-mode running statistics ``P.running_var`` of shape (K, C) (``P.running_sq_mean`` in state dicts
+    below version 2, which the layer migrates); MGN's gate reads one channel mean at a time (its weight is
+    (K, 1))."""
     layers = []
     for prefix in _prefixes(state_dict, ("gate.weight",)):
         if not _has(state_dict, prefix, "weight", "gate.bias"):

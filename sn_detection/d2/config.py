@@ -17,9 +17,10 @@ and ``MODEL.SN.META_ARCHITECTURE``, the meta-architecture that ``MODEL.META_ARCH
 builds with those options (see ``meta_arch``). ``SOLVER.GATE_WEIGHT_DECAY`` and ``SOLVER.GATE_LR_FACTOR``
 apply to the gating parameters (SN's logits, DN's gates, MN's and MGN's gate), see ``optimizer``;
 ``TEST.BATCH_AVERAGE`` configures the batch-average hook; ``TEST.NORM_ANALYSIS.PERIOD`` the logging of
-what the learned norms chose (``norm_analysis``; 0: off); ``PRETRAIN`` the classification pretraining
-of the config's ResNet (``sn_detection.pretraining``). The defaults are the layers' own defaults, the
-papers' settings.
+what the learned norms chose (``norm_analysis``; 0: off). The defaults are the layers' own defaults, the
+papers' settings. ``add_sn_config`` also adds the ``PRETRAIN`` keys of the classification pretraining of
+the config's ResNet, and ``validate_sn_config`` checks them: they and their rules belong to
+``sn_detection.pretraining.config``, a module that depends on nothing above ``sn_detection.layers``.
 
 ``validate_sn_config(cfg)`` checks the norm names of every ``MODEL.*.NORM`` key, these keys' values (a
 layer option by the rules its layer states, ``sn_detection.layers.options``) and that our norms are
@@ -35,7 +36,8 @@ from detectron2.config import CfgNode as CN
 from detectron2.modeling import META_ARCH_REGISTRY
 
 from ..layers import NORM_NAMES, NormFactory, norm_class, norm_options
-from ..layers.options import NON_NEGATIVE, POSITIVE_INT, is_int, is_number
+from ..layers.options import NON_NEGATIVE, POSITIVE_INT, is_int
+from ..pretraining.config import add_pretrain_config, validate_pretrain_config
 
 # The registered name of the meta-architecture that builds our norms with the config's options.
 SN_META_ARCHITECTURE = "SNMetaArch"
@@ -79,28 +81,7 @@ def add_sn_config(cfg: CN) -> None:
     cfg.TEST.NORM_ANALYSIS = CN()
     cfg.TEST.NORM_ANALYSIS.PERIOD = 0
 
-    # image-classification pretraining of the config's ResNet (tools/pretrain_backbone.py)
-    cfg.PRETRAIN = CN()
-    cfg.PRETRAIN.DATA = "embedded"  # the embedded classification set, or an ImageFolder with train/ and val/
-    cfg.PRETRAIN.IMAGE_SIZE = 224  # side of the network's input crops
-    cfg.PRETRAIN.CROP_AREA = (0.08, 1.0)  # random crops: fraction of the image's area
-    cfg.PRETRAIN.IMS_PER_BATCH = 256  # over all processes
-    cfg.PRETRAIN.MAX_ITER = 500500  # 100 epochs of ImageNet-1k at batch 256
-    cfg.PRETRAIN.BASE_LR = 0.1
-    cfg.PRETRAIN.WARMUP_ITERS = 5000
-    cfg.PRETRAIN.MOMENTUM = 0.9
-    cfg.PRETRAIN.WEIGHT_DECAY = 1e-4  # convolutions and the classifier; no decay on norms and gates
-    cfg.PRETRAIN.GATE_LR_FACTOR = 1.0
-    cfg.PRETRAIN.LABEL_SMOOTHING = 0.1
-    # after the last iteration, the batch-dependent statistics (BN, SN's BN branch, DN) become those of
-    # this many training batches (the SN paper's batch average; 0: keep the moving averages)
-    cfg.PRETRAIN.BATCH_AVERAGE_BATCHES = 50
-    cfg.PRETRAIN.SYNC_NORMS = False  # SN -> SyncSN, BN -> SyncBN: batch statistics over all processes
-    cfg.PRETRAIN.AMP = False
-    cfg.PRETRAIN.NUM_WORKERS = 4
-    cfg.PRETRAIN.EVAL_PERIOD = 0  # top-1 on val every N iterations (0: at the end only)
-    cfg.PRETRAIN.CHECKPOINT_PERIOD = 5000
-    cfg.PRETRAIN.OUTPUT_DIR = "output/pretrain"
+    add_pretrain_config(cfg)
 
 
 def option_keys(name: str) -> dict[str, str]:
@@ -128,11 +109,6 @@ def norm_keys(node: CN, prefix: str = "MODEL"):
             yield f"{prefix}.{name}", node, value
 
 
-def _is_area_range(value) -> bool:
-    pair = isinstance(value, (tuple, list)) and len(value) == 2 and all(map(is_number, value))
-    return pair and 0 < value[0] <= value[1] <= 1
-
-
 _INT_AT_LEAST_0 = (lambda v: is_int(v) and v >= 0, "an int >= 0")
 
 # Keys that are no layer option: key -> (whether a value is valid, the valid values in words).
@@ -140,22 +116,6 @@ _KEY_RULES = {
     "SOLVER.GATE_WEIGHT_DECAY": NON_NEGATIVE,
     "SOLVER.GATE_LR_FACTOR": NON_NEGATIVE,
     "TEST.NORM_ANALYSIS.PERIOD": _INT_AT_LEAST_0,
-    "PRETRAIN.DATA": (lambda v: isinstance(v, str) and v != "", "'embedded' or an ImageFolder directory"),
-    "PRETRAIN.IMAGE_SIZE": POSITIVE_INT,
-    "PRETRAIN.CROP_AREA": (_is_area_range, "(low, high) with 0 < low <= high <= 1"),
-    "PRETRAIN.IMS_PER_BATCH": POSITIVE_INT,
-    "PRETRAIN.MAX_ITER": POSITIVE_INT,
-    "PRETRAIN.BASE_LR": NON_NEGATIVE,
-    "PRETRAIN.WARMUP_ITERS": _INT_AT_LEAST_0,
-    "PRETRAIN.MOMENTUM": (lambda v: is_number(v) and 0 < v < 1, "a number in (0, 1) (Nesterov momentum)"),
-    "PRETRAIN.WEIGHT_DECAY": NON_NEGATIVE,
-    "PRETRAIN.GATE_LR_FACTOR": NON_NEGATIVE,
-    "PRETRAIN.LABEL_SMOOTHING": (lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "PRETRAIN.BATCH_AVERAGE_BATCHES": _INT_AT_LEAST_0,
-    "PRETRAIN.NUM_WORKERS": _INT_AT_LEAST_0,
-    "PRETRAIN.EVAL_PERIOD": _INT_AT_LEAST_0,
-    "PRETRAIN.CHECKPOINT_PERIOD": POSITIVE_INT,
-    "PRETRAIN.OUTPUT_DIR": (lambda v: isinstance(v, str) and v != "", "a folder name"),
 }
 
 
@@ -173,6 +133,7 @@ def validate_sn_config(cfg: CN) -> None:
             _check(key, _value(cfg, key), rules[option].holds, rules[option].text)
     for key, (is_valid, valid_values) in _KEY_RULES.items():
         _check(key, _value(cfg, key), is_valid, valid_values)
+    validate_pretrain_config(cfg)
     if cfg.TEST.BATCH_AVERAGE.ENABLED:
         key = "TEST.BATCH_AVERAGE.NUM_BATCHES"
         _check(key, _value(cfg, key), POSITIVE_INT.holds, "an int >= 1 when TEST.BATCH_AVERAGE.ENABLED")

@@ -17,8 +17,8 @@ seams, and with no state outside the config.
   naming one of our norms by ``NormFactory(name, **options from MODEL.SN)``, and calls the registered
   meta-architecture with that copy. The stock builders read the key and pass the factory to ``get_norm``
   as they would pass a string, so our layers get exactly the config's options in every part (backbone,
-  FPN, box and mask heads, C4's res5 head, RetinaNet, ...), and detectron2's names build what they always
-  built. The model is detectron2's own class with its own state-dict keys.
+  FPN, box and mask heads, C4's res5 head, RetinaNet, ...), and detectron2's names build what they build
+  without ``SNMetaArch``. The model is detectron2's own class with its own state-dict keys.
 - The copy is private to the build. yacs refuses non-yaml values on attribute assignment, so the
   factories are set as dict items of the copy (a ``CfgNode`` is a dict); the user's config is untouched.
 - Nothing global: no patched detectron2 function, no module-level option state. A model built without
@@ -29,10 +29,10 @@ seams, and with no state outside the config.
 - Frozen stages need nothing here: our layers freeze themselves when detectron2 freezes their parameters
   (``sn_detection.layers.base``).
 
-Why not the alternatives: patching ``get_norm`` in every detectron2 module (our former design) needs the
-options from somewhere, and process-global options were silently lost by every entry point that had not
-set them; wrapping each backbone and head builder under new registry names would take a config line per
-part instead of one for the model, and still miss builders we did not wrap.
+Why not the alternatives: patching ``get_norm`` in every detectron2 module needs the options from
+somewhere, and process-global options are silently lost by every entry point that has not set them;
+wrapping each backbone and head builder under new registry names takes a config line per part instead
+of one for the model, and still misses the builders not wrapped.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ Choices:
   The price, a few seconds of start-up per run, is small next to minutes of training.
 - **Runs one at a time, or ``--jobs N`` at a time** with the intra-op threads split between them
   (``OMP_NUM_THREADS``: the environment's, else the usable cores, divided by N). One run of these small
-  models uses 2 cores badly: on the 2-core machine a finetuning step took 0.65 s on 2 threads alone and
-  0.92 s on 1 thread beside a second run, so two at once finish 1.2-1.45x more runs per hour (README).
+  models does not keep several cores busy (its ops are too small to split well), so on a machine with
+  few cores, runs side by side on a share of the threads each finish more runs per hour.
 - **Settings**: ``NORM`` puts one norm in the backbone, FPN and both heads; ``BACKBONE/HEAD`` puts
   ``HEAD`` in the FPN and the box and mask heads (the FPN is new, like the heads: the configs' rule).
 - **Test statistics**: a setting with a norm that has batch-dependent test statistics (decided by the
@@ -52,10 +52,11 @@ from ..d2 import norm_layer, valid_norm_names
 from ..evidence import plots, report
 from ..evidence.runs import METRICS_FILE, RunResult, is_finished, loss_curve, read_record, read_result, write_record
 from ..layers import has_batch_statistics
-from ..pretraining import cached_backbone, cached_backbone_path
 from ..pretraining.model import pretrained_norm
+from ..pretraining.train import cached_backbone, cached_backbone_path
 from .launch import load_cfg
 from .timing import output_file
+from .trainer import RESULTS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def has_batch_statistics_norm(cfg, norm: str) -> bool:
 
 def pretraining_configs(cfg, settings: Sequence[Setting]) -> dict[str, CfgNode]:
     """Backbone norm -> the config that pretrains it with that norm (FrozenBN: with BN) by cfg's PRETRAIN
-    settings (``sn_detection.pretraining.cached_backbone``)."""
+    settings (``sn_detection.pretraining.train.cached_backbone``)."""
     configs = {}
     for norm in dict.fromkeys(setting.backbone for setting in settings):
         configs[norm] = cfg.clone()
@@ -282,7 +283,7 @@ def execute(run: RunSpec, jobs: int = 1) -> bool:
         attempt = {"wall_s": round(time.perf_counter() - start, 1), "returncode": returncode, "resumed": resumed}
         record["attempts"].append(attempt)
         write_record(run.folder, record)
-    return returncode == 0 and is_finished(run.folder)
+    return returncode == 0 and is_finished(run.folder, RESULTS_FILE)
 
 
 def run_sweep(
@@ -296,7 +297,7 @@ def run_sweep(
     labels = {run.folder: f"[{i}/{len(runs)}] {run.setting.name} seed {run.seed}" for i, run in enumerate(runs, 1)}
     todo = []
     for run in runs:
-        if is_finished(run.folder):
+        if is_finished(run.folder, RESULTS_FILE):
             logger.info("%s: finished earlier, skipped (%s)", labels[run.folder], run.folder)
         else:
             todo.append(run)
@@ -312,7 +313,7 @@ def run_sweep(
         for future in as_completed(futures):
             run, label = futures[future], labels[futures[future].folder]
             if future.result():
-                result = read_result(run.folder)
+                result = read_result(run.folder, RESULTS_FILE)
                 logger.info(
                     "%s: box AP %.1f, mask AP %.1f, %.0f s",
                     label, result.metrics["box_AP"], result.metrics["mask_AP"], result.wall_s,
@@ -370,14 +371,16 @@ def write_outputs(
 ) -> list[RunResult]:
     """The table, CSV and plots of the finished runs among ``runs`` (nothing before the first one);
     the table also to ``publish`` if given. Returns the results."""
-    results = [read_result(run.folder) for run in runs if is_finished(run.folder)]
+    results = [read_result(run.folder, RESULTS_FILE) for run in runs if is_finished(run.folder, RESULTS_FILE)]
     if not results:
         logger.info("No finished run yet: no table written")
         return results
     order = list(dict.fromkeys(run.setting.name for run in runs))
     summaries = report.summarize(results, order)
     started = [run for run in runs if read_record(run.folder) is not None]
-    unfinished = [f"{run.setting.name} seed {run.seed}" for run in started if not is_finished(run.folder)]
+    unfinished = [
+        f"{run.setting.name} seed {run.seed}" for run in started if not is_finished(run.folder, RESULTS_FILE)
+    ]
     os.makedirs(output_dir, exist_ok=True)
     report.write_markdown(os.path.join(output_dir, TABLE_FILE), description, summaries, unfinished)
     report.write_csv(os.path.join(output_dir, CSV_FILE), results, summaries)

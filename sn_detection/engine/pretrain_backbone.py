@@ -16,7 +16,7 @@ from detectron2.engine import default_argument_parser, default_setup
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
-from ..pretraining import cached_backbone, pretrain, report
+from ..pretraining.train import cached_backbone, pretrain, report
 from .launch import launch_processes, load_cfg
 
 

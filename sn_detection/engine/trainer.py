@@ -25,19 +25,20 @@ from .. import d2
 from ..d2.checkpointer import check_resumed_iteration
 from ..d2.hooks import build_batch_average_hook, insert_before_evaluation
 from ..d2.norm_analysis import build_norm_analysis_hook
-from ..evidence.runs import RESULTS_FILE
 from . import resume
 
 logger = logging.getLogger(__name__)
 
+# the final evaluation, written into OUTPUT_DIR by ``write_results`` (the comparison's runs are read from it)
+RESULTS_FILE = "eval_results.json"
+
 
 class Trainer(DefaultTrainer):
     def __init__(self, cfg):
-        """A fork of ``DefaultTrainer.__init__`` as it is in detectron2 main from 2024-04 (sal-detectron2
-        0.7.2) to 2026-11, with two changes: the model in DDP and the trainer of one step come from
-        ``d2.step_trainer`` (on the CPU DDP gets no ``device_ids``, which detectron2's ``create_ddp_model``
-        sets and ``__init__`` offers no seam to change; AMP is refused off CUDA), and the checkpointer is a
-        ``CheckedCheckpointer``.
+        """A fork of ``DefaultTrainer.__init__`` of the pinned detectron2 (sal-detectron2 0.7.2), with two
+        changes: the model in DDP and the trainer of one step come from ``d2.step_trainer`` (on the CPU DDP
+        gets no ``device_ids``, which detectron2's ``create_ddp_model`` sets and ``__init__`` offers no seam
+        to change; AMP is refused off CUDA), and the checkpointer is a ``CheckedCheckpointer``.
         Re-read upstream's ``__init__`` when updating detectron2."""
         TrainerBase.__init__(self)
         if not logging.getLogger("detectron2").isEnabledFor(logging.INFO):

@@ -3,7 +3,8 @@
 A run folder is the OUTPUT_DIR of one ``tools/train_net.py`` training plus ``sweep_run.json``, the
 sweep's record of what the run is (setting, seed, schedule, the exact train_net arguments) and of each
 attempt at it (wall time, exit status). A run is finished when train_net has written its final
-evaluation, ``eval_results.json``; its learning curve is the ``total_loss`` of ``metrics.json``.
+evaluation into its results file, whose name the caller passes (``sn_detection.engine.trainer``, the
+writer, names it); its learning curve is the ``total_loss`` of detectron2's ``metrics.json``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import statistics
 from dataclasses import dataclass
 
 RUN_RECORD = "sweep_run.json"
-# what tools/train_net.py writes after its final evaluation (the trainer imports the name from here)
-RESULTS_FILE = "eval_results.json"
+# what detectron2's JSONWriter writes into OUTPUT_DIR
 METRICS_FILE = "metrics.json"
 
 # result column -> (COCOEvaluator task, metric)
@@ -47,8 +47,9 @@ class RunResult:
     folder: str
 
 
-def is_finished(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, RESULTS_FILE))
+def is_finished(folder: str, results_file: str) -> bool:
+    """Whether the run in ``folder`` has written its final evaluation, ``results_file``."""
+    return os.path.isfile(os.path.join(folder, results_file))
 
 
 def read_record(folder: str) -> dict | None:
@@ -85,18 +86,18 @@ def loss_curve(folder: str) -> list[tuple[int, float]]:
     return sorted(by_iteration.items())
 
 
-def read_result(folder: str) -> RunResult:
-    """The result of the finished run in ``folder``."""
+def read_result(folder: str, results_file: str) -> RunResult:
+    """The result of the finished run in ``folder``, whose final evaluation is ``results_file``."""
     record = read_record(folder)
-    if record is None or not is_finished(folder):
-        raise ValueError(f"{folder} holds no finished run of the sweep (needs {RUN_RECORD} and {RESULTS_FILE})")
-    with open(os.path.join(folder, RESULTS_FILE)) as f:
+    if record is None or not is_finished(folder, results_file):
+        raise ValueError(f"{folder} holds no finished run of the sweep (needs {RUN_RECORD} and {results_file})")
+    with open(os.path.join(folder, results_file)) as f:
         per_dataset = json.load(f)
     # the first test dataset is the one evaluated (the config has a single one)
     tasks = next(iter(per_dataset.values()))
     missing = sorted({task for task, _ in AP_METRICS.values()} - set(tasks))
     if missing:
-        raise ValueError(f"{folder}/{RESULTS_FILE} has no {missing} results: the comparison needs box and mask AP")
+        raise ValueError(f"{folder}/{results_file} has no {missing} results: the comparison needs box and mask AP")
     times = [row["time"] for row in read_metrics(folder) if "time" in row]
     curve = loss_curve(folder)
     return RunResult(

@@ -1,8 +1,7 @@
 """Image-classification pretraining of the ResNet of a detection config (``tools/pretrain_backbone.py``):
-the data (``data``), the network and the backbone checkpoint it leaves (``model``), the training
-(``train``), and the cached backbone of the demo."""
+its config keys (``config``), the data (``data``), the network and the backbone checkpoint it leaves
+(``model``), the training (``train``), and the cached backbone of the demo.
 
-from .model import BackboneClassifier, backbone_state, input_convention
-from .train import cached_backbone, cached_backbone_path, pretrain, report
-
-__all__ = ["BackboneClassifier", "backbone_state", "cached_backbone", "cached_backbone_path", "input_convention", "pretrain", "report"]
+The package imports none of its modules: ``config`` depends only on ``sn_detection.layers`` and is what
+``sn_detection.d2.add_sn_config`` calls, while ``model`` and ``train`` build on ``sn_detection.d2``; import
+each from its module (``from sn_detection.pretraining.train import pretrain``)."""

@@ -34,7 +34,10 @@ INSTANCE_FIELDS = {
 OUTPUT_FIELDS = ("pred_boxes", "scores", "pred_classes", "pred_masks")
 # DN and MN keep their batch-average state in an instance attribute that is None outside a batch
 # average; TorchScript reads it as None (and warns that it cannot use its annotation).
-pytestmark = pytest.mark.filterwarnings("ignore:The TorchScript type system doesn't support instance-level")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The TorchScript type system doesn't support instance-level"),
+    pytest.mark.usefixtures("one_thread"),  # tests/conftest.py
+]
 
 
 @pytest.fixture(scope="module", params=NORM_NAMES)
@@ -49,15 +52,6 @@ def model(request):
     model = build_model(cfg)
     train_step(cfg, model)
     return model.eval()
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tensors are tiny: one thread is fastest, and several spin on a loaded CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def images():

@@ -1,6 +1,6 @@
 """SNMetaArch: detectron2's stock builders build our layers, with the options of cfg.MODEL.SN, in every
-norm key, and train; detectron2's own names build what they built before; nothing outside the config
-decides a layer's options; unknown names and unsuitable options say what is valid."""
+norm key, and train; detectron2's own names build what they build without SNMetaArch; nothing outside
+the config decides a layer's options; unknown names and unsuitable options say what is valid."""
 
 import math
 

@@ -17,14 +17,6 @@ from sn_detection.d2.norm_analysis import NormAnalysis, build_norm_analysis_hook
 from sn_detection.layers import ModeGroupNorm2d, SwitchableNorm2d
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def sn_weight(model, component, logits_name, index):
     """The average over the SN layers of ``component`` of softmax(logits)[index], computed here."""
     weights = [

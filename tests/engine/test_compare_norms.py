@@ -15,7 +15,8 @@ import yaml
 from sn_detection.engine import compare_norms
 from sn_detection.engine.compare_norms import Setting, parse_setting, plan_runs, scaled_schedule
 from sn_detection.engine.launch import load_cfg
-from sn_detection.evidence.runs import RESULTS_FILE, read_record
+from sn_detection.engine.trainer import RESULTS_FILE
+from sn_detection.evidence.runs import read_record
 
 CONFIG = compare_norms.DEFAULT_CONFIG
 # Few iterations of a shrunk model, and an evaluation that takes seconds.

@@ -7,8 +7,9 @@ import math
 
 import pytest
 
+from sn_detection.engine.trainer import RESULTS_FILE
 from sn_detection.evidence import plots, report
-from sn_detection.evidence.runs import RESULTS_FILE, RunResult, loss_curve, read_result, write_record
+from sn_detection.evidence.runs import RunResult, loss_curve, read_result, write_record
 
 
 def result(setting, seed, box_ap, mask_ap, batch_average=0, wall_s=100.0):
@@ -108,11 +109,11 @@ def test_a_run_folder_is_read(tmp_path):
     ]
     write_run(tmp_path, rows, [{"wall_s": 30.0, "returncode": -9}, {"wall_s": 20.5, "returncode": 0}])
     with pytest.raises(ValueError, match="no finished run"):
-        read_result(str(tmp_path))
+        read_result(str(tmp_path), RESULTS_FILE)
     tasks = {"bbox": {"AP": 6.0, "AP50": 12.0, "AP75": 5.0}, "segm": {"AP": 4.0, "AP50": 9.0, "AP75": 3.0}}
     (tmp_path / RESULTS_FILE).write_text(json.dumps({"sn_shapes_val": tasks}))
 
-    run = read_result(str(tmp_path))
+    run = read_result(str(tmp_path), RESULTS_FILE)
     assert (run.setting, run.backbone, run.head, run.seed) == ("SN/GN", "SN", "GN", 3)
     assert (run.iterations, run.batch_average) == (40, 20)
     expected = {"box_AP": 6.0, "box_AP50": 12.0, "box_AP75": 5.0, "mask_AP": 4.0, "mask_AP50": 9.0, "mask_AP75": 3.0}
@@ -125,4 +126,4 @@ def test_a_run_without_masks_is_refused(tmp_path):
     write_run(tmp_path, [], [{"wall_s": 1.0, "returncode": 0}])
     (tmp_path / RESULTS_FILE).write_text(json.dumps({"sn_shapes_val": {"bbox": {"AP": 1.0, "AP50": 2.0, "AP75": 0.5}}}))
     with pytest.raises(ValueError, match=r"no \['segm'\] results"):
-        read_result(str(tmp_path))
+        read_result(str(tmp_path), RESULTS_FILE)

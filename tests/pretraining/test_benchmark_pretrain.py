@@ -17,6 +17,8 @@ from tiny_pretraining import CONFIG, REPO
 TOOL = os.path.join(REPO, "tools", "benchmark_pretrain.py")
 TINY = ["PRETRAIN.IMAGE_SIZE", "32", "PRETRAIN.IMS_PER_BATCH", "12"]
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 
 def benchmark(*args):
     command = [sys.executable, TOOL, "--config-file", CONFIG, "--rounds", "1", *map(str, args)]

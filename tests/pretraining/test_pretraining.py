@@ -19,10 +19,12 @@ from tiny_pretraining import REPO, tiny_cfg, tiny_pretraining
 
 from sn_detection.d2 import trainers
 from sn_detection.engine import pretrain_backbone
-from sn_detection.pretraining import BackboneClassifier, cached_backbone, pretrain
-from sn_detection.pretraining.model import backbone_cfg, pretrained_norm
 from sn_detection.pretraining import train as pretraining_train
-from sn_detection.pretraining.train import BACKBONE_FILE, RESULTS_FILE
+from sn_detection.pretraining.model import BackboneClassifier, backbone_cfg, pretrained_norm
+from sn_detection.pretraining.train import BACKBONE_FILE, RESULTS_FILE, cached_backbone, pretrain
+
+# small models on a shared CPU, and bit-exact reductions for the resume test (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def backbone_tensors(path):

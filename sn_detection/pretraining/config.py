@@ -1,0 +1,80 @@
+"""``add_pretrain_config(cfg)``: the ``PRETRAIN`` keys, the image-classification pretraining of the
+config's ResNet (``train``); ``validate_pretrain_config(cfg)``: their values checked up front.
+
+The defaults are the usual ImageNet recipe: 224 px random crops, batch 256, Nesterov SGD with a warmup and
+a cosine schedule, label smoothing 0.1, and the batch average of the batch statistics at the end.
+
+This module is the bottom of the package's layering, beside ``sn_detection.layers.options``: it imports
+neither detectron2's models nor ``sn_detection.d2``, so that ``sn_detection.d2.add_sn_config`` (the one
+call that gives a config every key of sn_detection, before a file that may set them is merged) adds
+these keys and ``validate_sn_config`` checks them, while the rest of ``pretraining`` builds on ``d2``.
+"""
+
+from __future__ import annotations
+
+from detectron2.config import CfgNode as CN
+
+from ..layers.options import NON_NEGATIVE, POSITIVE_INT, Rule, is_int, is_number
+
+
+def add_pretrain_config(cfg: CN) -> None:
+    """Add the ``PRETRAIN`` keys, with their defaults, to a detectron2 config (before merging a file)."""
+    cfg.PRETRAIN = CN()
+    cfg.PRETRAIN.DATA = "embedded"  # the embedded classification set, or an ImageFolder with train/ and val/
+    cfg.PRETRAIN.IMAGE_SIZE = 224  # side of the network's input crops
+    cfg.PRETRAIN.CROP_AREA = (0.08, 1.0)  # random crops: fraction of the image's area
+    cfg.PRETRAIN.IMS_PER_BATCH = 256  # over all processes
+    cfg.PRETRAIN.MAX_ITER = 500500  # 100 epochs of ImageNet-1k at batch 256
+    cfg.PRETRAIN.BASE_LR = 0.1
+    cfg.PRETRAIN.WARMUP_ITERS = 5000
+    cfg.PRETRAIN.MOMENTUM = 0.9
+    cfg.PRETRAIN.WEIGHT_DECAY = 1e-4  # convolutions and the classifier; no decay on norms and gates
+    cfg.PRETRAIN.GATE_LR_FACTOR = 1.0
+    cfg.PRETRAIN.LABEL_SMOOTHING = 0.1
+    # after the last iteration, the batch-dependent statistics (BN, SN's BN branch, DN) become those of
+    # this many training batches (the SN paper's batch average; 0: keep the moving averages)
+    cfg.PRETRAIN.BATCH_AVERAGE_BATCHES = 50
+    cfg.PRETRAIN.SYNC_NORMS = False  # SN -> SyncSN, BN -> SyncBN: batch statistics over all processes
+    cfg.PRETRAIN.AMP = False
+    cfg.PRETRAIN.NUM_WORKERS = 4
+    cfg.PRETRAIN.EVAL_PERIOD = 0  # top-1 on val every N iterations (0: at the end only)
+    cfg.PRETRAIN.CHECKPOINT_PERIOD = 5000
+    cfg.PRETRAIN.OUTPUT_DIR = "output/pretrain"
+
+
+def _is_area_range(value) -> bool:
+    pair = isinstance(value, (tuple, list)) and len(value) == 2 and all(map(is_number, value))
+    return pair and 0 < value[0] <= value[1] <= 1
+
+
+_INT_AT_LEAST_0 = Rule(lambda v: is_int(v) and v >= 0, "an int >= 0")
+
+# key of cfg.PRETRAIN -> what its value must be (SYNC_NORMS and AMP are booleans that yaml keeps as such)
+PRETRAIN_KEY_RULES = {
+    "DATA": Rule(lambda v: isinstance(v, str) and v != "", "'embedded' or an ImageFolder directory"),
+    "IMAGE_SIZE": POSITIVE_INT,
+    "CROP_AREA": Rule(_is_area_range, "(low, high) with 0 < low <= high <= 1"),
+    "IMS_PER_BATCH": POSITIVE_INT,
+    "MAX_ITER": POSITIVE_INT,
+    "BASE_LR": NON_NEGATIVE,
+    "WARMUP_ITERS": _INT_AT_LEAST_0,
+    "MOMENTUM": Rule(lambda v: is_number(v) and 0 < v < 1, "a number in (0, 1) (Nesterov momentum)"),
+    "WEIGHT_DECAY": NON_NEGATIVE,
+    "GATE_LR_FACTOR": NON_NEGATIVE,
+    "LABEL_SMOOTHING": Rule(lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "BATCH_AVERAGE_BATCHES": _INT_AT_LEAST_0,
+    "NUM_WORKERS": _INT_AT_LEAST_0,
+    "EVAL_PERIOD": _INT_AT_LEAST_0,
+    "CHECKPOINT_PERIOD": POSITIVE_INT,
+    "OUTPUT_DIR": Rule(lambda v: isinstance(v, str) and v != "", "a folder name"),
+}
+
+
+def validate_pretrain_config(cfg: CN) -> None:
+    """Raise a ValueError naming the key and its valid values for the first invalid ``PRETRAIN`` value."""
+    if "PRETRAIN" not in cfg:
+        raise ValueError("the config has no PRETRAIN: call sn_detection.d2.add_sn_config(cfg) before merging a file")
+    for name, (is_valid, valid_values) in PRETRAIN_KEY_RULES.items():
+        value = cfg.PRETRAIN[name]
+        if not is_valid(value):
+            raise ValueError(f"PRETRAIN.{name}={value!r} is invalid: it must be {valid_values}")

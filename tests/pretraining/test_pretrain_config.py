@@ -1,0 +1,33 @@
+"""The PRETRAIN keys are pretraining's (``add_pretrain_config``, ``validate_pretrain_config``), and every
+config of sn_detection has them: ``add_sn_config`` adds them and ``validate_sn_config`` checks them, so
+that a config file that sets them merges whatever the entry point. (Each rule's message:
+tests/d2/test_config.py.)"""
+
+import pytest
+from detectron2.config import CfgNode, get_cfg
+
+from sn_detection.d2 import add_sn_config, validate_sn_config
+from sn_detection.pretraining.config import PRETRAIN_KEY_RULES, add_pretrain_config, validate_pretrain_config
+
+
+def test_add_sn_config_adds_pretrainings_keys_with_their_defaults():
+    cfg, alone = get_cfg(), CfgNode()
+    add_sn_config(cfg)
+    add_pretrain_config(alone)
+    assert cfg.PRETRAIN == alone.PRETRAIN
+    validate_pretrain_config(alone)
+    assert set(PRETRAIN_KEY_RULES) <= set(alone.PRETRAIN)
+
+
+def test_a_bad_value_fails_in_both_validations():
+    cfg = get_cfg()
+    add_sn_config(cfg)
+    cfg.PRETRAIN.WARMUP_ITERS = -1
+    for validate in (validate_pretrain_config, validate_sn_config):
+        with pytest.raises(ValueError, match=r"PRETRAIN.WARMUP_ITERS=-1 is invalid: it must be an int >= 0"):
+            validate(cfg)
+
+
+def test_a_config_without_the_keys_is_refused_with_the_call_that_adds_them():
+    with pytest.raises(ValueError, match=r"no PRETRAIN: call sn_detection.d2.add_sn_config\(cfg\)"):
+        validate_pretrain_config(get_cfg())
