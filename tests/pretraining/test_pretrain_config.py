@@ -31,3 +31,21 @@ def test_a_bad_value_fails_in_both_validations():
 def test_a_config_without_the_keys_is_refused_with_the_call_that_adds_them():
     with pytest.raises(ValueError, match=r"no PRETRAIN: call sn_detection.d2.add_sn_config\(cfg\)"):
         validate_pretrain_config(get_cfg())
+
+
+def test_the_package_still_gives_its_names_when_imported_before_d2():
+    """``sn_detection.pretraining`` imports its modules on first use (its docstring says why): the names it
+    gave, in a fresh process where nothing has imported ``sn_detection.d2`` yet."""
+    import subprocess
+    import sys
+
+    code = (
+        "from sn_detection.pretraining import BackboneClassifier, cached_backbone, pretrain\n"
+        "import sn_detection.pretraining as p\n"
+        "assert pretrain.__module__ == 'sn_detection.pretraining.train'\n"
+        "assert BackboneClassifier.__module__ == 'sn_detection.pretraining.model'\n"
+        "try:\n    p.no_such_name\nexcept AttributeError as e:\n    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "has no attribute 'no_such_name'" in done.stdout
