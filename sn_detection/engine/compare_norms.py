@@ -21,6 +21,9 @@ Choices:
   training batches. BN gets it too (the hook recomputes torch BN's running statistics exactly), so
   that every norm with batch statistics is tested with the same estimator; detectron2's PreciseBN, the
   same idea, is not used on top.
+- **Backbones** (``--finetune``): pretrained with each setting's backbone norm by the config's PRETRAIN
+  keys, or with ``--backbones BEST_JSON`` by each norm's PRETRAIN overrides in that file
+  (tools/pretrain_grid.py's best.json; FrozenBN takes BN's), made in the cache if not there yet.
 - **Budget**: ``--iters N`` scales the config's schedule linearly (``SOLVER.STEPS`` and
   ``WARMUP_ITERS`` by N / MAX_ITER); without it the config's schedule is used as is.
 - **Resume**: each run has its own folder, ``OUTPUT_DIR/<setting>/seed<k>``; a run is finished when its
@@ -34,6 +37,7 @@ Choices:
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import subprocess
@@ -48,12 +52,12 @@ from detectron2.config import CfgNode
 from torch import nn
 
 from .. import model_zoo
-from ..d2 import norm_layer, valid_norm_names
+from ..d2 import norm_layer, valid_norm_names, validate_sn_config
 from ..evidence import plots, report
 from ..evidence.runs import METRICS_FILE, RunResult, is_finished, loss_curve, read_record, read_result, write_record
 from ..layers import has_batch_statistics
-from ..pretraining.model import pretrained_norm
-from ..pretraining.train import cached_backbone, cached_backbone_path
+from ..pretraining.model import PRETRAINED_AS, pretrained_norm
+from ..pretraining.train import cached_backbone, cached_backbone_path, is_cached
 from .launch import load_cfg
 from .timing import output_file
 from .trainer import RESULTS_FILE
@@ -73,6 +77,7 @@ NO_NORM = "-"
 DEFAULT_SEEDS = (1, 2, 3)
 DEFAULT_OUTPUT_DIR = os.path.join("output", "compare_norms")
 DEFAULT_FINETUNE_OUTPUT_DIR = os.path.join("output", "compare_norms_finetune")
+DEFAULT_BEST_OUTPUT_DIR = os.path.join("output", "compare_norms_finetune_best")
 HEAD_NORM_KEYS = ("MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
 TRAIN_LOG = "train_net.log"
 # what the sweep writes into its output folder
@@ -161,15 +166,56 @@ def has_batch_statistics_norm(cfg, norm: str) -> bool:
     return layer is not None and has_batch_statistics(layer)
 
 
-def pretraining_configs(cfg, settings: Sequence[Setting]) -> dict[str, CfgNode]:
+def pretraining_configs(
+    cfg, settings: Sequence[Setting], best: Optional[dict[str, dict]] = None
+) -> dict[str, CfgNode]:
     """Backbone norm -> the config that pretrains it with that norm (FrozenBN: with BN) by cfg's PRETRAIN
-    settings (``sn_detection.pretraining.train.cached_backbone``)."""
+    settings (``sn_detection.pretraining.train.cached_backbone``), with ``best[pretrained norm]``'s PRETRAIN
+    overrides (``--backbones``: tools/pretrain_grid.py's best.json) if given."""
     configs = {}
     for norm in dict.fromkeys(setting.backbone for setting in settings):
-        configs[norm] = cfg.clone()
-        configs[norm].defrost()
-        configs[norm].MODEL.RESNETS.NORM = norm
+        overrides = {}
+        if best is not None:
+            pretrained = PRETRAINED_AS.get(norm, norm)
+            if pretrained not in best:
+                raise ValueError(
+                    f"--backbones: no pretraining setting for {pretrained}"
+                    f"{f' (the backbone of {norm})' if pretrained != norm else ''}; it has {sorted(best)}"
+                )
+            overrides = best[pretrained]
+        configs[norm] = with_pretrain_overrides(cfg, norm, overrides)
     return configs
+
+
+def with_pretrain_overrides(cfg, norm: str, overrides: dict) -> CfgNode:
+    """``cfg`` with MODEL.RESNETS.NORM ``norm`` and the PRETRAIN ``overrides`` (key -> value): how both this
+    sweep and tools/pretrain_grid.py make a pretraining config, so that their cache keys agree."""
+    bad = [key for key in overrides if not str(key).startswith("PRETRAIN.")]
+    if bad:
+        raise ValueError(f"only PRETRAIN keys select a pretraining setting, got {bad}")
+    result = cfg.clone()
+    result.defrost()
+    result.MODEL.RESNETS.NORM = norm
+    result.merge_from_list([item for key, value in overrides.items() for item in (key, value)])
+    validate_sn_config(result)
+    return result
+
+
+def read_backbone_settings(path: str) -> dict[str, dict]:
+    """``--backbones FILE``: {pretrained norm: {PRETRAIN key: value}}, as tools/pretrain_grid.py writes
+    its best.json."""
+    try:
+        with open(path) as f:
+            best = json.load(f)
+    except OSError as error:
+        raise ValueError(f"--backbones {path}: {error.strerror}") from None
+    except ValueError as error:
+        raise ValueError(f"--backbones {path}: not JSON ({error})") from None
+    if not isinstance(best, dict) or not all(isinstance(v, dict) for v in best.values()):
+        raise ValueError(f"--backbones {path}: expected {{norm: {{PRETRAIN key: value}}}}, as pretrain_grid's best.json")
+    if not best:
+        raise ValueError(f"--backbones {path} names no norm: is the pretraining grid done for any norm?")
+    return best
 
 
 def make_backbones(configs: dict[str, CfgNode]) -> None:
@@ -334,7 +380,7 @@ def config_label(config_file: str) -> str:
     return "configs/" + relative.replace(os.sep, "/") if not relative.startswith("..") else config_file
 
 
-def describe(cfg, config_file: str, runs: Sequence[RunSpec]) -> str:
+def describe(cfg, config_file: str, runs: Sequence[RunSpec], backbones: Optional[tuple[str, dict]] = None) -> str:
     """The paragraph above the results table: what was trained and evaluated, and how to read it."""
     config = config_label(config_file)
     seeds = sorted({run.seed for run in runs})
@@ -349,6 +395,11 @@ def describe(cfg, config_file: str, runs: Sequence[RunSpec]) -> str:
             f"{cfg.PRETRAIN.MAX_ITER} iterations at batch {cfg.PRETRAIN.IMS_PER_BATCH}, {cfg.PRETRAIN.IMAGE_SIZE} px; "
             "`tools/pretrain_backbone.py`)"
         )
+        if backbones:
+            path, best = backbones
+            chosen = "; ".join(f"{norm}: " + ", ".join(f"{key} {value}" for key, value in overrides.items())
+                               for norm, overrides in best.items())  # fmt: skip
+            init += f", each norm with its best PRETRAIN setting of `{path}` (`tools/pretrain_grid.py`: {chosen})"
     return (
         f"### Norm settings compared on this machine (`{tool}`, measured here)\n\n"
         f"Mask R-CNN R{cfg.MODEL.RESNETS.DEPTH}-FPN (`{config}`: {cfg.INPUT.MIN_SIZE_TEST} px inputs, FPN and "
@@ -430,19 +481,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--jobs", type=int, default=1, metavar="N",
         help="runs at once, the threads (OMP_NUM_THREADS, else the cores) split between them (default: 1)",
     )  # fmt: skip
+    parser.add_argument(
+        "--backbones", metavar="BEST_JSON",
+        help="with --finetune: pretrain each backbone norm with its PRETRAIN setting in this file (tools/pretrain_grid.py's "
+        f"best.json; FrozenBN: BN's); default --output-dir then {DEFAULT_BEST_OUTPUT_DIR}",
+    )  # fmt: skip
     parser.add_argument("--publish", metavar="FILE", type=output_file, help="also write the table here, e.g. model_zoo/compare_norms.md")
     parser.add_argument("--report-only", action="store_true", help="only write the tables and plots of finished runs")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides for every run")
     args = parser.parse_args(argv)
     args.config_file = args.config_file or (DEFAULT_FINETUNE_CONFIG if args.finetune else DEFAULT_CONFIG)
-    args.output_dir = args.output_dir or (DEFAULT_FINETUNE_OUTPUT_DIR if args.finetune else DEFAULT_OUTPUT_DIR)
+    default_output = DEFAULT_BEST_OUTPUT_DIR if args.backbones else DEFAULT_FINETUNE_OUTPUT_DIR
+    args.output_dir = args.output_dir or (default_output if args.finetune else DEFAULT_OUTPUT_DIR)
     args.settings = args.settings or list(FINETUNE_SETTINGS if args.finetune else DEFAULT_SETTINGS)
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.backbones and not args.finetune:
+        parser.error("--backbones chooses the pretrained backbones of --finetune; add --finetune")
     try:
         args.settings = [parse_setting(text) for text in args.settings]
         if args.finetune:
             check_finetune_settings(args.settings)
+        args.backbone_settings = read_backbone_settings(args.backbones) if args.backbones else None
     except ValueError as error:
         parser.error(str(error))
     return args
@@ -463,10 +523,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s compare_norms] %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
     cfg = load_cfg(os.path.abspath(args.config_file), list(args.opts))
-    pretraining = pretraining_configs(cfg, args.settings) if args.finetune else {}
     # planned and checked before any pretraining, which takes the longest
-    backbones = {norm: cached_backbone_path(config) for norm, config in pretraining.items()} or None
     try:
+        pretraining = pretraining_configs(cfg, args.settings, args.backbone_settings) if args.finetune else {}
+        backbones = {norm: cached_backbone_path(config) for norm, config in pretraining.items()} or None
         runs = plan_runs(
             cfg, args.config_file, args.settings, args.seeds, args.output_dir, args.iters, args.batch_average_batches,
             args.opts, backbones,
@@ -474,7 +534,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_folders(runs)
     except ValueError as error:
         raise SystemExit(f"compare_norms: error: {error}") from None
-    description = describe(cfg, args.config_file, runs)
+    description = describe(cfg, args.config_file, runs,
+                           (args.backbones, args.backbone_settings) if args.backbone_settings else None)  # fmt: skip
+    if args.backbone_settings:
+        for norm, config in pretraining.items():
+            if not is_cached(config):
+                logger.warning("--backbones: the backbone of %s is not in the cache (%s): it is pretrained first; the "
+                               "grid's config and KEY VALUE overrides would have made it", norm, backbones[norm])  # fmt: skip
     if not args.report_only:
         make_backbones(pretraining)
 

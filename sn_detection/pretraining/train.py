@@ -51,7 +51,7 @@ from ..d2.checkpointer import CheckedCheckpointer, check_resumed_iteration
 from ..d2.hooks import batch_average_hook, insert_before_evaluation
 from ..d2.optimizer import get_optimizer_params
 from ..d2.trainers import share_first_process_buffers, step_trainer
-from ..data.cache import ensure_folder
+from ..data.cache import ensure_folder, is_intact
 from .data import ClassificationImages, SeededStream, collate, data_folder, shard
 from .model import BackboneClassifier, backbone_state, input_convention, pretrained_norm
 
@@ -264,18 +264,37 @@ def cached_backbone_path(cfg: CfgNode) -> str:
     return os.path.join(_cache_entry(cfg)[0], BACKBONE_FILE)
 
 
-def cached_backbone(cfg: CfgNode) -> str:
+def cached_backbone_folder(cfg: CfgNode) -> str:
+    """The cache folder of ``cfg``'s backbone, made or not; its name holds the digest of the cache key."""
+    return _cache_entry(cfg)[0]
+
+
+def is_cached(cfg: CfgNode) -> bool:
+    """Whether ``cfg``'s backbone is in the cache, complete and verified by its manifest."""
+    folder, key = _cache_entry(cfg)
+    return is_intact(folder, key)
+
+
+def cached_backbone(cfg: CfgNode, work_dir: str | None = None) -> str:
     """The backbone checkpoint of ``cfg``'s pretraining, made on first use in this process (progress in
-    the log) and reused, verified, afterwards; a half-made one is never reused."""
+    the log) and reused, verified, afterwards; a half-made one is never reused.
+
+    Without ``work_dir`` it is pretrained from the start in a temporary folder. With ``work_dir`` (a stable
+    folder of the caller's, for one cache key only) it is pretrained there with ``resume``: a run killed
+    mid-way continues from its last checkpoint (PRETRAIN.CHECKPOINT_PERIOD) the next time; once finished
+    its outputs move into the cache folder, which is renamed into place whole, and ``work_dir`` is removed."""
     folder, key = _cache_entry(cfg)
 
     def make(target: str) -> None:
-        work = os.path.join(target, "training")
-        pretrain(cfg, output_dir=work)
+        work = work_dir or os.path.join(target, "training")
+        pretrain(cfg, resume=work_dir is not None, output_dir=work)
         for kept in (BACKBONE_FILE, RESULTS_FILE, "metrics.json"):
             shutil.move(os.path.join(work, kept), os.path.join(target, kept))
-        shutil.rmtree(work)
+        if work_dir is None:
+            shutil.rmtree(work)
 
     folder = ensure_folder(folder, key, make)
+    if work_dir is not None:
+        shutil.rmtree(work_dir, ignore_errors=True)  # its checkpoints: the backbone is in the cache now
     report(folder)
     return os.path.join(folder, BACKBONE_FILE)

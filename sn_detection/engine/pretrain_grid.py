@@ -1,0 +1,593 @@
+"""tools/pretrain_grid.py: every norm's backbone pretrained under a grid of recipes at one budget, so that
+each norm can be finetuned from its own best backbone instead of from one recipe tuned for one norm.
+
+    tools/pretrain_grid.py [--config-file CFG] [--norms BN,GN,SN,DN,MGN] [--lrs 0.05,0.1,0.2,0.4]
+        [--warmups 0,40] [--target-top1 X] [--jobs N] [--output-dir DIR] [--publish FILE]
+        [--plan-only | --report-only] [KEY VALUE ...]
+
+A **cell** is a norm and a setting (PRETRAIN.BASE_LR, and PRETRAIN.WARMUP_ITERS with ``--warmups``):
+the config's backbone with MODEL.RESNETS.NORM set to the norm, pretrained by the config's PRETRAIN keys
+with the setting's overrides, for the config's PRETRAIN.MAX_ITER iterations (the same budget in every
+cell). FrozenBN is pretrained as BN (``pretrained_norm``), so it is the BN cell.
+
+- **The cache is the result.** A cell's config is exactly the one ``tools/compare_norms.py --finetune``
+  asks for with the same config, KEY VALUE overrides and PRETRAIN overrides (``cell_cfg`` and
+  ``compare_norms.pretraining_configs`` clone the same loaded config and set the same keys), so the cell
+  lands in the verified backbone cache (``cached_backbone``) under the key the finetune sweep reads. A
+  cell is done when its backbone is in the cache, whoever made it: backbones made earlier by the
+  finetune sweep or ``make demo`` count.
+- **A subprocess per cell** (as compare_norms' runs), ``--jobs N`` at once with the threads split
+  (``compare_norms.child_environment``). Each pretrains in a stable work folder of its own,
+  ``OUTPUT_DIR/cells/<cell>/training``, with ``resume``: a cell killed mid-way continues from its last
+  checkpoint (PRETRAIN.CHECKPOINT_PERIOD) when the same command runs again; a finished one moves into
+  the cache whole, and its work folder is removed. ``cell.json`` records what the cell is (its cache
+  folder) and every attempt (wall time, exit status, resumed or not); a cell folder planned for another
+  cache folder (another config, budget or override) is refused before anything runs.
+- **The estimate**, printed before anything runs: cells done and to run, and the wall time of those to
+  run: per cell, seconds per iteration x PRETRAIN.MAX_ITER, summed and divided by the jobs. A norm's
+  seconds per iteration are the median of detectron2's per-iteration time (metrics.json) over its
+  finished cells; for a norm without one, ``--estimate-steps K`` training steps measured here on a
+  random batch at the threads one job gets (no data loading, batch average or evaluation: a lower
+  bound). Start-up, batch average and evaluations are not in it, nor jobs slowing each other.
+- **Results**, per cell: val top-1 (after the batch average), wall time (the grid's attempts together;
+  for a cell made elsewhere, its recorded training time), iterations, seconds per iteration, and with
+  PRETRAIN.EVAL_PERIOD the top-1 at each evaluation (``metrics.json``'s ``val_top1``; those before the
+  end are of the moving-average statistics). ``--target-top1 X``: the first evaluated iteration at which
+  val top-1 reached X, from the same runs. It does not train anything further: a cell whose runs never
+  reach X within the budget shows "not reached", and the iteration is only as fine as EVAL_PERIOD (the
+  end of training is always evaluated).
+- **Outputs** in OUTPUT_DIR: ``results.md`` (top-1 per norm x setting with wall times, each norm's best
+  setting by val top-1 in bold, then a row per cell), ``results.csv``, ``results.json`` (with the
+  curves), and ``best.json``, ``{norm: {PRETRAIN key: value}}``: each norm's best setting, for norms
+  whose cells are all done; ``tools/compare_norms.py --finetune --backbones best.json`` finetunes each
+  setting from its backbone norm's best backbone (FrozenBN from BN's). ``--publish FILE`` also writes
+  the markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import logging
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from detectron2.config import CfgNode
+
+from .. import model_zoo
+from ..d2 import valid_norm_names
+from ..pretraining.model import PRETRAINED_AS
+from ..pretraining.train import (
+    LOG_PERIOD, RESULTS_FILE, cached_backbone, cached_backbone_folder, cached_backbone_path, is_cached,
+)  # fmt: skip
+from .compare_norms import child_environment, config_label, has_checkpoint, usable_cores, with_pretrain_overrides
+from .launch import load_cfg
+from .timing import output_file
+
+logger = logging.getLogger(__name__)
+
+GRID_MODULE = ("-m", "sn_detection.engine.pretrain_grid")
+DEFAULT_CONFIG = os.path.join(model_zoo.CONFIG_DIR, "demo_finetune_norms.yaml")
+DEFAULT_NORMS = ("BN", "GN", "SN", "DN", "MGN")
+DEFAULT_LRS = (0.05, 0.1, 0.2, 0.4)
+DEFAULT_OUTPUT_DIR = os.path.join("output", "pretrain_grid")
+DEFAULT_ESTIMATE_STEPS = 3
+CELL_RECORD = "cell.json"
+CELL_LOG = "pretrain.log"
+WORK_FOLDER = "training"
+METRICS_FILE = "metrics.json"
+TABLE_FILE, CSV_FILE, JSON_FILE, BEST_FILE = "results.md", "results.csv", "results.json", "best.json"
+NOT_REACHED = "not reached"
+CSV_COLUMNS = ("norm", "setting", "best", "val_top1", "iterations", "wall_s", "s_per_iter", "iterations_to_target")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A norm and a setting: the PRETRAIN overrides (key -> value) of the grid's varied keys."""
+
+    norm: str
+    overrides: tuple[tuple[str, object], ...]
+
+    @property
+    def setting(self) -> str:
+        names = {"PRETRAIN.BASE_LR": "LR", "PRETRAIN.WARMUP_ITERS": "warm-up"}
+        return ", ".join(f"{names.get(key, key)} {value}" for key, value in self.overrides)
+
+    @property
+    def name(self) -> str:
+        short = {"PRETRAIN.BASE_LR": "lr", "PRETRAIN.WARMUP_ITERS": "warmup"}
+        return "-".join([self.norm, *(f"{short.get(key, key)}{value}" for key, value in self.overrides)])
+
+    def override_list(self) -> list[str]:
+        return [item for key, value in self.overrides for item in (key, repr(value))]
+
+
+def parse_norms(text: str) -> list[str]:
+    """Comma-separated norm names, each pretrained as ``pretrained_norm`` says (FrozenBN: BN), each once."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ValueError("--norms is empty: give at least one norm")
+    valid = valid_norm_names()
+    unknown = [name for name in names if name not in valid]
+    if unknown:
+        raise ValueError(f"--norms: unknown norm(s) {unknown}; valid norms: {list(valid)}")
+    return list(dict.fromkeys(PRETRAINED_AS.get(name, name) for name in names))  # FrozenBN's cell is BN's
+
+
+def parse_values(text: str, option: str, kind, rule: str, is_valid) -> list:
+    """Comma-separated values of ``kind`` (float or int), each ``is_valid``, none repeated."""
+    values = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            value = kind(item)
+        except ValueError:
+            raise ValueError(f"{option}: {item!r} is not a number") from None
+        if not is_valid(value):
+            raise ValueError(f"{option}: {item} is invalid: each value must be {rule}")
+        values.append(value)
+    if not values:
+        raise ValueError(f"{option} is empty: the grid needs at least one value")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{option}: values repeat: {values}")
+    return values
+
+
+def plan_cells(norms: Sequence[str], lrs: Sequence[float], warmups: Optional[Sequence[int]] = None) -> list[Cell]:
+    """Norms outermost, then LR, then warm-up: a grid cut short has every setting of its first norms."""
+    cells = []
+    for norm, lr in itertools.product(norms, lrs):
+        for warmup in warmups if warmups else (None,):
+            overrides = (("PRETRAIN.BASE_LR", float(lr)),)
+            if warmup is not None:
+                overrides += (("PRETRAIN.WARMUP_ITERS", int(warmup)),)
+            cells.append(Cell(norm, overrides))
+    return cells
+
+
+def cell_cfg(cfg: CfgNode, cell: Cell) -> CfgNode:
+    """The config that pretrains ``cell``: ``cfg`` (the loaded config with the KEY VALUE overrides) with
+    the norm and the cell's PRETRAIN overrides, made as ``compare_norms.pretraining_configs`` makes it."""
+    return with_pretrain_overrides(cfg, cell.norm, dict(cell.overrides))
+
+
+# -- the cells' folders, records and results -------------------------------------------------------
+
+
+def cell_folder(output_dir: str, cell: Cell) -> str:
+    return os.path.abspath(os.path.join(output_dir, "cells", cell.name))
+
+
+def read_json(path: str):
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_json(path: str, value) -> None:
+    """Atomically: an interrupted grid never leaves half a file."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def check_cell_folders(output_dir: str, cells: Sequence[Cell], configs: dict) -> None:
+    """Fail before anything runs if a cell folder holds a cell of another cache folder."""
+    for cell in cells:
+        record = read_json(os.path.join(cell_folder(output_dir, cell), CELL_RECORD))
+        planned = cached_backbone_folder(configs[cell])
+        if record is not None and record["cache_folder"] != planned:
+            raise ValueError(
+                f"{cell_folder(output_dir, cell)} holds a cell pretrained into {record['cache_folder']}, "
+                f"not the planned {planned} (another config, budget or override): use another --output-dir, "
+                "or remove that folder"
+            )
+
+
+def top1_curve(metrics_path: str, max_iter: int) -> list[tuple[int, float]]:
+    """(iterations trained, val top-1) of each evaluation in metrics.json. detectron2 logs a periodic
+    evaluation at the index of the iteration it follows (so after index + 1 iterations) and the final one
+    at ``max_iter``; a resumed run appends, so an evaluation logged twice keeps its latest value."""
+    if not os.path.isfile(metrics_path):
+        return []
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    by_iteration = {row["iteration"]: row["val_top1"] for row in rows if "val_top1" in row}
+    return sorted(((it if it >= max_iter else it + 1), top1) for it, top1 in by_iteration.items())
+
+
+def iterations_to_reach(curve: Sequence[tuple[int, float]], target: float) -> Optional[int]:
+    """The first evaluated iteration count whose top-1 is at least ``target``; None: not reached."""
+    return next((iterations for iterations, top1 in curve if top1 >= target), None)
+
+
+def seconds_per_iteration(metrics_path: str) -> float:
+    """The median of detectron2's per-iteration time (the whole step, data loading included)."""
+    if not os.path.isfile(metrics_path):
+        return math.nan
+    with open(metrics_path) as f:
+        times = [row["time"] for row in map(json.loads, filter(str.strip, f)) if "time" in row]
+    return statistics.median(times) if times else math.nan
+
+
+def cell_result(output_dir: str, cell: Cell, cfg: CfgNode, target: Optional[float]) -> Optional[dict]:
+    """The result of a done cell (its backbone in the cache), else None."""
+    if not is_cached(cfg):
+        return None
+    cache = cached_backbone_folder(cfg)
+    results = read_json(os.path.join(cache, RESULTS_FILE))
+    record = read_json(os.path.join(cell_folder(output_dir, cell), CELL_RECORD))
+    attempts = record["attempts"] if record else []
+    curve = top1_curve(os.path.join(cache, METRICS_FILE), results["iterations"])
+    result = {
+        "norm": cell.norm,
+        "setting": cell.setting,
+        "overrides": dict(cell.overrides),
+        "val_top1": results["val_top1"],
+        "iterations": results["iterations"],
+        # the grid's attempts together; a cell made elsewhere: its recorded training time
+        "wall_s": round(sum(a["wall_s"] for a in attempts), 1) if attempts else results["train_seconds"],
+        "wall_source": "grid" if attempts else "training time in results.json",
+        "s_per_iter": seconds_per_iteration(os.path.join(cache, METRICS_FILE)),
+        "top1_curve": curve,
+        "backbone": cached_backbone_path(cfg),
+    }
+    if target is not None:
+        result["iterations_to_target"] = iterations_to_reach(curve, target)
+    return result
+
+
+def best_cells(results: Sequence[dict]) -> dict[str, dict]:
+    """Per norm, its done cell of the highest val top-1 (the first in grid order on a tie)."""
+    best = {}
+    for result in results:
+        if result["norm"] not in best or result["val_top1"] > best[result["norm"]]["val_top1"]:
+            best[result["norm"]] = result
+    return best
+
+
+# -- the estimate ------------------------------------------------------------------------------------
+
+
+def measured_step_seconds(cfg: CfgNode, steps: int, threads: int) -> float:
+    """The median of ``steps`` pretraining steps of ``cfg`` (after one untimed) on a random batch at
+    ``threads`` intra-op threads: the trainer, network and optimizer of pretraining, without its data."""
+    import torch
+
+    from .benchmark_pretrain import Setting, random_batch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        setting = Setting(cfg, random_batch(cfg, cfg.PRETRAIN.IMS_PER_BATCH, 24), 24)
+        setting.train_step()
+        return statistics.median(setting.train_step() for _ in range(steps))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def estimate(cells_to_run, results, configs, jobs: int, steps: int) -> tuple[float, dict[str, tuple[float, str]]]:
+    """(estimated wall seconds of ``cells_to_run``, per norm (s/iter, what it is based on)); NaN where a
+    norm has no basis (no finished cell and ``steps`` 0)."""
+    basis = {}
+    for norm in dict.fromkeys(cell.norm for cell in cells_to_run):
+        finished = [r["s_per_iter"] for r in results if r["norm"] == norm and not math.isnan(r["s_per_iter"])]
+        if finished:
+            basis[norm] = (statistics.median(finished), f"median of {len(finished)} finished cell(s)' metrics.json")
+        elif steps > 0:
+            cfg = configs[next(cell for cell in cells_to_run if cell.norm == norm)]
+            threads = max(1, threads_per_job(jobs))
+            seconds = measured_step_seconds(cfg, steps, threads)
+            basis[norm] = (seconds, f"{steps} steps measured now on a random batch, {threads} thread(s)")
+        else:
+            basis[norm] = (math.nan, "no finished cell, nothing measured (--estimate-steps 0)")
+    total = sum(basis[cell.norm][0] * configs[cell].PRETRAIN.MAX_ITER for cell in cells_to_run)
+    return total / max(1, min(jobs, len(cells_to_run))), basis
+
+
+def threads_per_job(jobs: int) -> int:
+    return int(child_environment(jobs).get("OMP_NUM_THREADS") or usable_cores())
+
+
+def format_duration(seconds: float) -> str:
+    if math.isnan(seconds):
+        return "unknown"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
+
+
+# -- running the cells -------------------------------------------------------------------------------
+
+
+def cell_command(config_file: str, opts: Sequence[str], cell: Cell, folder: str, expected_cache: str) -> list[str]:
+    return [
+        sys.executable, *GRID_MODULE, "--cell", "--work-dir", os.path.join(folder, WORK_FOLDER),
+        "--expect-cache", expected_cache, "--norm", cell.norm, "--config-file", config_file,
+        *opts, *cell.override_list(),
+    ]  # fmt: skip
+
+
+def execute_cell(command: list[str], folder: str, cell: Cell, cache_folder: str, jobs: int) -> bool:
+    """Run (or resume) one cell in a subprocess, its output into the cell folder's log; every attempt
+    is recorded. Returns whether its backbone is in the cache."""
+    path = os.path.join(folder, CELL_RECORD)
+    record = read_json(path) or {"norm": cell.norm, "overrides": dict(cell.overrides), "cache_folder": cache_folder,
+                                 "attempts": []}  # fmt: skip
+    resumed = has_checkpoint(os.path.join(folder, WORK_FOLDER))
+    write_json(path, record)
+    start, returncode = time.perf_counter(), None
+    try:
+        with open(os.path.join(folder, CELL_LOG), "a") as log:
+            returncode = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=child_environment(jobs))
+    finally:
+        record["attempts"].append({"wall_s": round(time.perf_counter() - start, 1), "returncode": returncode,
+                                   "resumed": resumed})  # fmt: skip
+        write_json(path, record)
+    return returncode == 0
+
+
+def run_cells(todo, output_dir, config_file, opts, configs, jobs: int, after_each=None) -> list[Cell]:
+    """Runs the cells ``todo``, ``jobs`` at a time in order; returns those that failed."""
+    failed = []
+
+    def run(cell: Cell) -> bool:
+        folder = cell_folder(output_dir, cell)
+        cache = cached_backbone_folder(configs[cell])
+        logger.info("%s: pretraining %d iterations (log: %s)", cell.name, configs[cell].PRETRAIN.MAX_ITER,
+                    os.path.join(folder, CELL_LOG))  # fmt: skip
+        return execute_cell(cell_command(config_file, opts, cell, folder, cache), folder, cell, cache, jobs)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(run, cell): cell for cell in todo}
+        for future in as_completed(futures):
+            cell = futures[future]
+            if future.result() and is_cached(configs[cell]):
+                logger.info("%s: done, backbone in %s", cell.name, cached_backbone_folder(configs[cell]))
+            else:
+                failed.append(cell)
+                logger.error("%s: failed, see %s", cell.name, os.path.join(cell_folder(output_dir, cell), CELL_LOG))
+            if after_each is not None:
+                after_each()
+    return [cell for cell in todo if cell in failed]
+
+
+# -- the outputs -------------------------------------------------------------------------------------
+
+
+def describe(cfg: CfgNode, config_file: str, cells: Sequence[Cell], target: Optional[float]) -> str:
+    varied = ", ".join(dict.fromkeys(key for cell in cells for key, _ in cell.overrides))
+    batches = cfg.PRETRAIN.BATCH_AVERAGE_BATCHES
+    statistics_text = f"after the batch average over {batches} batches" if batches else "with the moving averages"
+    text = (
+        f"### Pretraining grid (`tools/pretrain_grid.py`, measured here)\n\n"
+        f"ResNet-{cfg.MODEL.RESNETS.DEPTH} of `{config_label(config_file)}` pretrained with each norm on "
+        f"`{cfg.PRETRAIN.DATA}` ({cfg.PRETRAIN.IMAGE_SIZE} px, batch {cfg.PRETRAIN.IMS_PER_BATCH}), "
+        f"{cfg.PRETRAIN.MAX_ITER} iterations in every cell, the config's PRETRAIN recipe with {varied} varied. "
+        f"Top-1 on the val split {statistics_text}; in bold each norm's best setting (`best.json`, "
+        "which `tools/compare_norms.py --finetune --backbones` reads). Wall time: the grid's attempts at the "
+        f"cell together, on {os.cpu_count()} CPU cores, noisy where other work shared the machine."
+    )
+    if target is not None:
+        text += (
+            f" *Iterations to {target:g} %*: the first evaluated iteration (PRETRAIN.EVAL_PERIOD "
+            f"{cfg.PRETRAIN.EVAL_PERIOD}, and the end) at which val top-1 reached {target:g} %."
+        )
+    return text
+
+
+def _top1_text(result: Optional[dict], best: bool) -> str:
+    if result is None:
+        return "–"
+    text = f"{result['val_top1']:.1f} % ({format_duration(result['wall_s'])})"
+    return f"**{text}**" if best else text
+
+
+def markdown(description: str, cells: Sequence[Cell], results: dict, target: Optional[float]) -> str:
+    best = best_cells([results[cell] for cell in cells if cell in results])
+    settings = list(dict.fromkeys(cell.setting for cell in cells))
+    norms = list(dict.fromkeys(cell.norm for cell in cells))
+    lines = [description, "", "| norm | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
+    for norm in norms:
+        row = []
+        for setting in settings:
+            cell = next((c for c in cells if c.norm == norm and c.setting == setting), None)
+            result = results.get(cell)
+            row.append(_top1_text(result, result is not None and best.get(norm) is result))
+        lines.append(f"| {norm} | " + " | ".join(row) + " |")
+    header = "| norm | setting | val top-1 | iterations | wall | s/iter |"
+    if target is not None:
+        header += f" iterations to {target:g} % |"
+    lines += ["", header, "|---" * (header.count("|") - 1) + "|"]
+    for cell in cells:
+        result = results.get(cell)
+        if result is None:
+            row = f"| {cell.norm} | {cell.setting} | not done | | | |"
+            row += " |" if target is not None else ""
+        else:
+            mark = " (best)" if best.get(cell.norm) is result else ""
+            row = (f"| {cell.norm} | {cell.setting}{mark} | {result['val_top1']:.2f} % | {result['iterations']} | "
+                   f"{format_duration(result['wall_s'])} | {result['s_per_iter']:.3f} |")  # fmt: skip
+            if target is not None:
+                reached = result["iterations_to_target"]
+                row += f" {NOT_REACHED if reached is None else reached} |"
+        lines.append(row)
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(output_dir, description, cells, results, target, publish=None) -> dict:
+    """results.md, .csv, .json and best.json (norms whose cells are all done); returns best.json's content."""
+    os.makedirs(output_dir, exist_ok=True)
+    done = [results[cell] for cell in cells if cell in results]
+    best = best_cells(done)
+    complete = {norm for norm in best if all(cell in results for cell in cells if cell.norm == norm)}
+    best_overrides = {norm: result["overrides"] for norm, result in best.items() if norm in complete}
+    text = markdown(description, cells, results, target)
+    with open(os.path.join(output_dir, TABLE_FILE), "w") as f:
+        f.write(text)
+    if publish:
+        with open(publish, "w") as f:
+            f.write(text)
+    with open(os.path.join(output_dir, CSV_FILE), "w", newline="") as f:
+        writer = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for result in done:
+            reached = result.get("iterations_to_target", "")
+            writer.writerow({**result, "best": best[result["norm"]] is result,
+                             "iterations_to_target": NOT_REACHED if reached is None else reached})  # fmt: skip
+    write_json(os.path.join(output_dir, JSON_FILE), {
+        "cells": [{**result, "best": best[result["norm"]] is result} for result in done],
+        "not_done": [{"norm": cell.norm, "setting": cell.setting} for cell in cells if cell not in results],
+        "target_top1": target,
+    })  # fmt: skip
+    write_json(os.path.join(output_dir, BEST_FILE), best_overrides)
+    return best_overrides
+
+
+# -- the command -------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Pretrain every norm's backbone under a grid of PRETRAIN settings at one budget, into the "
+        "backbone cache that tools/compare_norms.py --finetune reads; resumable by running it again."
+    )
+    parser.add_argument("--config-file", default=DEFAULT_CONFIG, metavar="FILE", help="default: %(default)s")
+    parser.add_argument("--norms", default=",".join(DEFAULT_NORMS), help="comma-separated (default: %(default)s)")
+    parser.add_argument("--lrs", default=",".join(map(str, DEFAULT_LRS)),
+                        help="PRETRAIN.BASE_LR values, comma-separated (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--warmups", help="PRETRAIN.WARMUP_ITERS values, comma-separated (default: the config's)")
+    parser.add_argument("--target-top1", type=float, metavar="X",
+                        help="report the first evaluated iteration at which val top-1 reached X %%")  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="cells at once, the threads split between them (default: 1)")  # fmt: skip
+    parser.add_argument("--estimate-steps", type=int, default=DEFAULT_ESTIMATE_STEPS, metavar="K",
+                        help="steps measured per norm without a finished cell for the estimate; 0: none "
+                        "(default: %(default)s)")  # fmt: skip
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help="default: %(default)s")
+    parser.add_argument("--publish", metavar="FILE", type=output_file, help="also write the markdown table here")
+    parser.add_argument("--plan-only", action="store_true", help="print the plan and the estimate, run nothing")
+    parser.add_argument("--report-only", action="store_true", help="only write the outputs of the done cells")
+    parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides for every cell")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.estimate_steps < 0:
+        parser.error(f"--estimate-steps must be >= 0, got {args.estimate_steps}")
+    if args.target_top1 is not None and not 0 < args.target_top1 <= 100:
+        parser.error(f"--target-top1 must be a top-1 in (0, 100] %, got {args.target_top1}")
+    if not os.path.isfile(args.config_file):
+        parser.error(f"--config-file {args.config_file}: no such file")
+    try:
+        args.norms = parse_norms(args.norms)
+        args.lrs = parse_values(args.lrs, "--lrs", float, "a learning rate > 0", lambda v: v > 0 and math.isfinite(v))
+        if args.warmups is not None:
+            args.warmups = parse_values(args.warmups, "--warmups", int, "an int >= 0", lambda v: v >= 0)
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def plan(args) -> tuple[CfgNode, list[Cell], dict]:
+    """The loaded config, the cells and each cell's config; bad values fail here."""
+    cfg = load_cfg(os.path.abspath(args.config_file), list(args.opts))
+    period = cfg.PRETRAIN.EVAL_PERIOD
+    if 0 < period < LOG_PERIOD:
+        raise ValueError(
+            f"PRETRAIN.EVAL_PERIOD={period}: metrics.json is written every {LOG_PERIOD} iterations and keeps "
+            f"the latest evaluation of each write only, so the top-1 curve would miss evaluations; use 0 (the "
+            f"end only) or >= {LOG_PERIOD}"
+        )
+    if args.target_top1 is not None and period == 0:
+        logger.info("PRETRAIN.EVAL_PERIOD is 0: iterations to %g %% are known only at the end of training",
+                    args.target_top1)  # fmt: skip
+    cells = plan_cells(args.norms, args.lrs, args.warmups)
+    configs = {cell: cell_cfg(cfg, cell) for cell in cells}
+    return cfg, cells, configs
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Returns the exit status: 1 if a cell failed."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--cell"]:
+        return cell_main(argv[1:])
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s pretrain_grid] %(message)s", datefmt="%H:%M:%S")
+    args = parse_args(argv)
+    try:
+        cfg, cells, configs = plan(args)
+        check_cell_folders(args.output_dir, cells, configs)
+    except ValueError as error:
+        raise SystemExit(f"pretrain_grid: error: {error}") from None
+    description = describe(cfg, args.config_file, cells, args.target_top1)
+
+    def collect() -> dict:
+        found = {cell: cell_result(args.output_dir, cell, configs[cell], args.target_top1) for cell in cells}
+        return {cell: result for cell, result in found.items() if result is not None}
+
+    results = collect()
+    todo = [cell for cell in cells if cell not in results]
+    norms, settings = len(args.norms), len(cells) // len(args.norms)
+    print(f"Pretraining grid: {norms} norm(s) x {settings} setting(s) = {len(cells)} cells, "
+          f"{cfg.PRETRAIN.MAX_ITER} iterations each at batch {cfg.PRETRAIN.IMS_PER_BATCH}; {len(results)} done "
+          f"(in the cache), {len(todo)} to run, --jobs {args.jobs}.", flush=True)  # fmt: skip
+    if todo and not args.report_only:
+        seconds, basis = estimate(todo, list(results.values()), configs, args.jobs, args.estimate_steps)
+        print(f"Estimated wall time of the {len(todo)} cell(s) to run: {format_duration(seconds)} = the sum over "
+              f"cells of s/iter x {cfg.PRETRAIN.MAX_ITER} iterations, / {min(args.jobs, len(todo))} job(s) at once; "
+              "start-up, batch average and evaluations not included. s/iter per norm:", flush=True)  # fmt: skip
+        for norm, (per_iter, source) in basis.items():
+            print(f"  {norm}: {per_iter:.3f} s/iter ({source})", flush=True)
+    if args.plan_only:
+        for cell in cells:
+            print(f"  {cell.name}: {'done' if cell in results else 'to run'} ({cached_backbone_folder(configs[cell])})")
+        return 0
+
+    def write() -> dict:
+        return write_outputs(args.output_dir, description, cells, collect(), args.target_top1, args.publish)
+
+    failed = []
+    if todo and not args.report_only:
+        failed = run_cells(todo, args.output_dir, os.path.abspath(args.config_file), list(args.opts), configs,
+                           args.jobs, after_each=write)  # fmt: skip
+    best = write()
+    logger.info("%d of %d cells done; results in %s; best settings (%s): %s", len(collect()), len(cells),
+                args.output_dir, BEST_FILE, best)  # fmt: skip
+    if failed:
+        logger.error("failed cells: %s", ", ".join(cell.name for cell in failed))
+    return 1 if failed else 0
+
+
+def cell_main(argv: Sequence[str]) -> int:
+    """One cell, in its own process: the backbone of the config with the norm and the overrides, made in
+    the work folder (resumed) and moved into the cache; refused if its cache folder is not the planned."""
+    parser = argparse.ArgumentParser(prog="pretrain_grid --cell")
+    parser.add_argument("--work-dir", required=True)
+    parser.add_argument("--expect-cache", required=True)
+    parser.add_argument("--norm", required=True)
+    parser.add_argument("--config-file", required=True)
+    parser.add_argument("opts", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    from detectron2.utils.logger import setup_logger
+
+    setup_logger(name="detectron2")
+    setup_logger(name="sn_detection")
+    cfg = load_cfg(args.config_file, [*args.opts, "MODEL.RESNETS.NORM", args.norm])
+    if cached_backbone_folder(cfg) != args.expect_cache:
+        raise SystemExit(f"pretrain_grid --cell: the cell's cache folder {cached_backbone_folder(cfg)} is not the "
+                         f"planned {args.expect_cache}")  # fmt: skip
+    print(cached_backbone(cfg, work_dir=args.work_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""tools/pretrain_grid.py: bad input refused up front; a cell's config is the one compare_norms --finetune
+asks for (so the grid's backbones are the sweep's); the top-1 curve and the iterations to a target; a tiny
+2 norms x 2 LR grid end to end (table with the best marked, best.json, a re-run skips done cells, a
+removed cell is redone, a killed cell resumes from its checkpoint), and best.json feeding
+compare_norms --finetune --backbones. The numbers of a few iterations mean nothing and are not checked."""
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from sn_detection.d2 import trainers
+from sn_detection.engine import compare_norms, pretrain_grid
+from sn_detection.engine.launch import load_cfg
+from sn_detection.engine.pretrain_grid import Cell, cell_cfg, iterations_to_reach, plan_cells, top1_curve
+from sn_detection.pretraining.train import cached_backbone_folder, cached_backbone_path, pretrain
+
+CONFIG = pretrain_grid.DEFAULT_CONFIG
+
+
+def tiny_pretraining(data):
+    return [
+        "PRETRAIN.DATA", str(data), "PRETRAIN.IMAGE_SIZE", "32", "PRETRAIN.IMS_PER_BATCH", "4",
+        "PRETRAIN.MAX_ITER", "3", "PRETRAIN.WARMUP_ITERS", "1", "PRETRAIN.NUM_WORKERS", "0",
+        "PRETRAIN.CHECKPOINT_PERIOD", "1", "PRETRAIN.BATCH_AVERAGE_BATCHES", "1",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("arguments, problem", [
+    (["--norms", "BN,XN"], "--norms: unknown norm(s) ['XN']; valid norms: ["),
+    (["--norms", ","], "--norms is empty"),
+    (["--lrs", ""], "--lrs is empty: the grid needs at least one value"),
+    (["--lrs", "0.1,-0.2"], "--lrs: -0.2 is invalid: each value must be a learning rate > 0"),
+    (["--lrs", "0.1,0"], "--lrs: 0 is invalid: each value must be a learning rate > 0"),
+    (["--lrs", "0.1,0.1"], "--lrs: values repeat"),
+    (["--lrs", "fast"], "--lrs: 'fast' is not a number"),
+    (["--warmups", "-1"], "--warmups: -1 is invalid: each value must be an int >= 0"),
+    (["--jobs", "0"], "--jobs must be >= 1, got 0"),
+    (["--target-top1", "0"], "--target-top1 must be a top-1 in (0, 100] %"),
+    (["--publish", "/no/such/folder/grid.md"], "its folder /no/such/folder does not exist"),
+])  # fmt: skip
+def test_bad_input_is_refused_before_anything_runs(arguments, problem, capsys):
+    with pytest.raises(SystemExit):
+        pretrain_grid.parse_args(arguments)
+    assert problem in capsys.readouterr().err
+
+
+def test_an_evaluation_period_that_metrics_json_would_thin_out_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="PRETRAIN.EVAL_PERIOD=5: metrics.json is written every 20 iterations"):
+        pretrain_grid.main(["--output-dir", str(tmp_path), "--plan-only", "PRETRAIN.EVAL_PERIOD", "5"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_frozen_bn_is_the_bn_cell_and_cells_are_norms_then_settings():
+    args = pretrain_grid.parse_args(["--norms", "FrozenBN,SN,BN", "--lrs", "0.1,0.2", "--warmups", "0,40"])
+    assert args.norms == ["BN", "SN"]
+    cells = plan_cells(args.norms, args.lrs, args.warmups)
+    assert [cell.name for cell in cells[:4]] == ["BN-lr0.1-warmup0", "BN-lr0.1-warmup40", "BN-lr0.2-warmup0",
+                                                 "BN-lr0.2-warmup40"]  # fmt: skip
+    assert cells[1].setting == "LR 0.1, warm-up 40" and len(cells) == 8
+
+
+def test_the_grids_cells_are_the_backbones_the_finetune_sweep_asks_for(tmp_path, monkeypatch):
+    """With best.json's overrides, compare_norms --finetune plans exactly the grid's cached backbones
+    (FrozenBN from BN's best); with the config's own LR, the grid's cell is the sweep's default backbone."""
+    monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
+    cfg = load_cfg(CONFIG, ["PRETRAIN.MAX_ITER", "30"])
+    cells = {cell.name: cell for cell in plan_cells(["BN", "SN"], [0.1, cfg.PRETRAIN.BASE_LR], [0, 40])}
+    best = {"BN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.WARMUP_ITERS": 40},
+            "SN": {"PRETRAIN.BASE_LR": cfg.PRETRAIN.BASE_LR, "PRETRAIN.WARMUP_ITERS": 0}}  # fmt: skip
+    settings = [compare_norms.parse_setting(s) for s in ("FrozenBN/GN", "BN", "SN")]
+    configs = compare_norms.pretraining_configs(cfg, settings, best)
+    paths = {norm: cached_backbone_path(config) for norm, config in configs.items()}
+    bn = cached_backbone_path(cell_cfg(cfg, cells["BN-lr0.1-warmup40"]))
+    assert paths == {"FrozenBN": bn, "BN": bn, "SN": cached_backbone_path(cell_cfg(cfg, cells["SN-lr0.2-warmup0"]))}
+    assert len(set(cached_backbone_folder(cell_cfg(cfg, cell)) for cell in cells.values())) == len(cells)
+    # the config's own warm-up and LR: the backbone the sweep finetunes from without --backbones
+    default = compare_norms.pretraining_configs(cfg, settings[1:2])["BN"]
+    own = Cell("BN", (("PRETRAIN.BASE_LR", cfg.PRETRAIN.BASE_LR), ("PRETRAIN.WARMUP_ITERS", cfg.PRETRAIN.WARMUP_ITERS)))
+    assert cached_backbone_path(cell_cfg(cfg, own)) == cached_backbone_path(default)
+    with pytest.raises(ValueError, match=r"--backbones: no pretraining setting for BN \(the backbone of FrozenBN\)"):
+        compare_norms.pretraining_configs(cfg, settings[:1], {"SN": {}})
+    with pytest.raises(ValueError, match="only PRETRAIN keys select a pretraining setting"):
+        compare_norms.pretraining_configs(cfg, settings[1:2], {"BN": {"SOLVER.BASE_LR": 0.1}})
+
+
+def test_backbones_needs_finetune_and_a_best_json(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        compare_norms.parse_args(["--backbones", str(tmp_path / "best.json")])
+    assert "--backbones chooses the pretrained backbones of --finetune" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare_norms.parse_args(["--finetune", "--backbones", str(tmp_path / "best.json")])
+    error = capsys.readouterr().err
+    assert f"--backbones {tmp_path / 'best.json'}: No such file or directory" in error
+    (tmp_path / "empty.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        compare_norms.parse_args(["--finetune", "--backbones", str(tmp_path / "empty.json")])
+    assert "names no norm" in capsys.readouterr().err
+    (tmp_path / "best.json").write_text('{"BN": {"PRETRAIN.BASE_LR": 0.4}}')
+    args = compare_norms.parse_args(["--finetune", "--backbones", str(tmp_path / "best.json")])
+    assert args.backbone_settings == {"BN": {"PRETRAIN.BASE_LR": 0.4}}
+    assert args.output_dir == compare_norms.DEFAULT_BEST_OUTPUT_DIR
+    assert compare_norms.parse_args(["--finetune"]).output_dir == compare_norms.DEFAULT_FINETUNE_OUTPUT_DIR
+
+
+def test_the_top1_curve_counts_iterations_trained_and_keeps_a_resumed_runs_latest(tmp_path):
+    rows = [
+        {"iteration": 19, "time": 0.5, "total_loss": 3.0},
+        {"iteration": 39, "val_top1": 20.0},
+        {"iteration": 79, "val_top1": 40.0},  # killed after this evaluation, before its checkpoint
+        {"iteration": 79, "val_top1": 41.0},  # the resumed run evaluates again
+        {"iteration": 100, "val_top1": 55.0},  # the end (MAX_ITER 100), after the batch average
+    ]
+    (tmp_path / "metrics.json").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    curve = top1_curve(str(tmp_path / "metrics.json"), 100)
+    assert curve == [(40, 20.0), (80, 41.0), (100, 55.0)]
+    assert [iterations_to_reach(curve, target) for target in (10, 41, 50, 60)] == [40, 80, 100, None]
+    assert top1_curve(str(tmp_path / "missing.json"), 100) == []
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypatch, capsys, tiny_classification_set):
+    monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    calls, call = [], subprocess.call
+    monkeypatch.setattr(pretrain_grid.subprocess, "call", lambda command, **kw: calls.append(command) or call(command, **kw))
+    output, published = tmp_path / "grid", tmp_path / "grid.md"
+    options = ["--norms", "BN,GN", "--lrs", "0.1,0.2", "--jobs", "2", "--target-top1", "1", "--output-dir", str(output),
+               "--publish", str(published)]  # fmt: skip
+    arguments = [*options, "--estimate-steps", "1", *tiny_pretraining(tiny_classification_set)]
+    assert pretrain_grid.main(arguments) == 0
+    printed = capsys.readouterr().out
+    assert "4 cells, 3 iterations each at batch 4; 0 done (in the cache), 4 to run, --jobs 2." in printed
+    assert "BN: " in printed and "(1 steps measured now on a random batch, 1 thread(s))" in printed
+    names = ["BN-lr0.1", "BN-lr0.2", "GN-lr0.1", "GN-lr0.2"]
+    assert sorted(command[command.index("--work-dir") + 1] for command in calls) == [
+        str(output / "cells" / name / "training") for name in names
+    ]
+    assert not any((output / "cells" / name / "training").exists() for name in names)  # moved into the cache
+
+    table = (output / "results.md").read_text()
+    assert published.read_text() == table and "| norm | LR 0.1 | LR 0.2 |" in table
+    with open(output / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(row["norm"], row["setting"]) for row in rows] == [("BN", "LR 0.1"), ("BN", "LR 0.2"), ("GN", "LR 0.1"),
+                                                               ("GN", "LR 0.2")]  # fmt: skip
+    best = json.loads((output / "best.json").read_text())
+    for norm in ("BN", "GN"):
+        norm_rows = [row for row in rows if row["norm"] == norm]
+        top = max(float(row["val_top1"]) for row in norm_rows)
+        (marked,) = [row for row in norm_rows if row["best"] == "True"]
+        assert float(marked["val_top1"]) == top and best[norm] == {"PRETRAIN.BASE_LR": float(marked["setting"][3:])}
+        assert f"| {norm} | {marked['setting']} (best) |" in table
+        (matrix_row,) = [line for line in table.splitlines() if line.startswith(f"| {norm} | ") and "LR" not in line]
+        assert matrix_row.count("**") == 2  # one setting in bold
+    for row in rows:
+        assert int(row["iterations"]) == 3 and float(row["wall_s"]) > 0 and float(row["s_per_iter"]) > 0
+        # the end is evaluated (EVAL_PERIOD 0): reached at 3 iterations, or not
+        assert row["iterations_to_target"] == ("3" if float(row["val_top1"]) >= 1 else "not reached")
+    results = json.loads((output / "results.json").read_text())
+    assert all(cell["top1_curve"] == [[3, cell["val_top1"]]] for cell in results["cells"])
+
+    # re-run: every cell is in the cache, nothing runs
+    calls.clear()
+    assert pretrain_grid.main(arguments) == 0
+    assert calls == [] and "4 done (in the cache), 0 to run" in capsys.readouterr().out
+
+    # one cell's backbone gone: made again; another killed after its checkpoint at iteration 1: resumed
+    cfg = load_cfg(CONFIG, tiny_pretraining(tiny_classification_set))
+    redone, killed = Cell("BN", (("PRETRAIN.BASE_LR", 0.1),)), Cell("GN", (("PRETRAIN.BASE_LR", 0.2),))
+    for cell in (redone, killed):
+        shutil.rmtree(cached_backbone_folder(cell_cfg(cfg, cell)))
+
+    class InterruptedTrainer(trainers.SimpleTrainer):
+        def run_step(self):
+            if self.iter == 2:
+                raise Interrupted
+            super().run_step()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainers, "SimpleTrainer", InterruptedTrainer)
+        with pytest.raises(Interrupted):
+            pretrain(cell_cfg(cfg, killed), output_dir=str(output / "cells" / killed.name / "training"))
+    calls.clear()
+    assert pretrain_grid.main([*options, "--estimate-steps", "0", *tiny_pretraining(tiny_classification_set)]) == 0
+    printed = capsys.readouterr().out
+    assert "2 done (in the cache), 2 to run" in printed and "(median of 1 finished cell(s)' metrics.json)" in printed
+    assert sorted(command[command.index("--work-dir") + 1] for command in calls) == [
+        str(output / "cells" / name / "training") for name in ("BN-lr0.1", "GN-lr0.2")
+    ]
+    records = {cell.name: json.loads((output / "cells" / cell.name / "cell.json").read_text()) for cell in (redone, killed)}
+    assert [a["resumed"] for a in records["BN-lr0.1"]["attempts"]] == [False, False]
+    assert [a["resumed"] for a in records["GN-lr0.2"]["attempts"]] == [False, True]
+    assert "iterations 2-3" in (output / "cells" / killed.name / "pretrain.log").read_text()
+
+    # the same output folder with another budget is refused before anything runs
+    calls.clear()
+    with pytest.raises(SystemExit, match="holds a cell pretrained into .*, not the planned"):
+        pretrain_grid.main([*arguments, "PRETRAIN.MAX_ITER", "4"])
+    assert calls == []
+
+    # best.json feeds compare_norms --finetune --backbones: each setting from its norm's best backbone
+    planned = {}
+    original = compare_norms.plan_runs
+    monkeypatch.setattr(compare_norms, "plan_runs", lambda *a, **kw: planned.update(backbones=a[8]) or original(*a, **kw))
+    sweep = ["--finetune", "--backbones", str(output / "best.json"), "--settings", "FrozenBN/GN", "GN", "--report-only",
+             "--output-dir", str(tmp_path / "sweep"), *tiny_pretraining(tiny_classification_set)]  # fmt: skip
+    assert compare_norms.main(sweep) == 0
+    expected = {norm: cached_backbone_path(cell_cfg(cfg, Cell(norm, tuple(best[norm].items())))) for norm in ("BN", "GN")}
+    assert planned["backbones"] == {"FrozenBN": expected["BN"], "GN": expected["GN"]}
+    assert all(os.path.isfile(path) for path in planned["backbones"].values())
+
+
+def test_pretrainings_own_metrics_give_the_curve(tmp_path, tiny_classification_set):
+    """What pretraining logs: an evaluation every EVAL_PERIOD iterations and one at the end."""
+    opts = [*tiny_pretraining(tiny_classification_set), "PRETRAIN.MAX_ITER", "21", "PRETRAIN.EVAL_PERIOD", "20",
+            "PRETRAIN.CHECKPOINT_PERIOD", "100", "PRETRAIN.BASE_LR", "0.01"]  # fmt: skip
+    results = pretrain(load_cfg(CONFIG, opts), output_dir=str(tmp_path))
+    curve = top1_curve(str(tmp_path / "metrics.json"), 21)
+    assert [iterations for iterations, _ in curve] == [20, 21] and curve[-1][1] == results["val_top1"]
