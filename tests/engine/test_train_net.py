@@ -16,21 +16,12 @@ import shrunk_training
 from sn_detection.engine.launch import launch_processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEMO_CONFIG = os.path.join(REPO, "configs", "demo_mask_rcnn_gn.yaml")
-# The demo model, shrunk so a step and an evaluation take seconds: few iterations, few detections.
-SHRINK = [
-    "SOLVER.WARMUP_ITERS", "2", "SOLVER.STEPS", "()", "TEST.DETECTIONS_PER_IMAGE", "5",
-    "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0", "INPUT.MIN_SIZE_TEST", "128", "DATALOADER.NUM_WORKERS", "0",
-]
+# The shrunk demo model with its evaluation on sn_shapes_val: a step and an evaluation take seconds.
+EVALUATED = ["DATASETS.TEST", "('sn_shapes_val',)"]
 
 
-def train_net(*args):
-    result = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "train_net.py"), *args],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result.stdout + result.stderr
+def train_net(*opts, flags=()):
+    return shrunk_training.train_shrunk(*EVALUATED, *opts, flags=flags)
 
 
 def read_metrics(output_dir):
@@ -48,10 +39,9 @@ def assert_finite_ap(results):
 def trained(tmp_path_factory):
     """3 iterations without evaluation, then --resume to 5 iterations with evaluation at the end."""
     output_dir = str(tmp_path_factory.mktemp("train"))
-    common = ["--config", DEMO_CONFIG, *SHRINK, "OUTPUT_DIR", output_dir]
-    train_net(*common, "SOLVER.MAX_ITER", "3", "DATASETS.TEST", "()")
+    train_net("OUTPUT_DIR", output_dir, "SOLVER.MAX_ITER", "3", "DATASETS.TEST", "()")
     first_iterations = [row["iteration"] for row in read_metrics(output_dir) if "total_loss" in row]
-    log = train_net("--resume", *common, "SOLVER.MAX_ITER", "5")
+    log = train_net("OUTPUT_DIR", output_dir, "SOLVER.MAX_ITER", "5", flags=["--resume"])
     return output_dir, first_iterations, log
 
 
@@ -79,7 +69,7 @@ def test_eval_only_reproduces_the_final_predictions_and_ap(trained, tmp_path):
     alone would tell little), and the same metrics."""
     output_dir, _, _ = trained
     weights = os.path.join(output_dir, "model_final.pth")
-    train_net("--config-file", DEMO_CONFIG, "--eval-only", *SHRINK, "MODEL.WEIGHTS", weights, "OUTPUT_DIR", str(tmp_path))
+    train_net("MODEL.WEIGHTS", weights, "OUTPUT_DIR", str(tmp_path), flags=["--eval-only"])
     assert_same_evaluation(str(tmp_path), output_dir)
 
 
@@ -107,8 +97,8 @@ def assert_same_evaluation(eval_only_dir, training_dir):
 def test_eval_only_without_trained_weights_is_refused(tmp_path):
     """detectron2 would evaluate the untrained model ("No checkpoint found. Initializing model from scratch")."""
     result = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "train_net.py"), "--config-file", DEMO_CONFIG, "--eval-only",
-         *SHRINK, "OUTPUT_DIR", str(tmp_path)],
+        [sys.executable, os.path.join(REPO, "tools", "train_net.py"), "--config-file", shrunk_training.DEMO_CONFIG,
+         "--eval-only", *shrunk_training.SHRINK, *EVALUATED, "OUTPUT_DIR", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode != 0
@@ -155,7 +145,7 @@ def test_two_processes_on_the_cpu_evaluate_the_model_they_save(tmp_path):
         "MODEL.RESNETS.NORM", "SyncSN", "MODEL.FPN.NORM", "SyncSN", "MODEL.ROI_BOX_HEAD.NORM", "SN",
         "MODEL.ROI_MASK_HEAD.NORM", "SN", "TEST.BATCH_AVERAGE.ENABLED", "True", "TEST.BATCH_AVERAGE.NUM_BATCHES", "2",
     ]  # fmt: skip
-    training = [*norms, "SOLVER.IMS_PER_BATCH", "4", "SOLVER.MAX_ITER", "2", "DATASETS.TEST", "('sn_shapes_val',)"]
+    training = [*norms, "SOLVER.IMS_PER_BATCH", "4", "SOLVER.MAX_ITER", "2", *EVALUATED]
     log = shrunk_training.train_shrunk(
         *training, "OUTPUT_DIR", str(tmp_path / "train"), flags=["--num-gpus", "2", "--dist-url", "auto"],
         env={"CUDA_VISIBLE_DEVICES": ""},  # the processes run on the CPU, also on a machine with one GPU
