@@ -27,8 +27,12 @@ demo:
 KERNEL_TESTS := tests/kernels tests/layers/test_statistics.py tests/layers/test_edge_cases.py \
 	tests/layers/test_numerics.py::test_fp32_is_as_accurate_as_batch_norm
 
+# Test files run in parallel, one per CPU core up to 4 (pytest-xdist; a file's tests stay on one worker,
+# so a module fixture is built once); tests/conftest.py shares the cores between the workers' threads.
+PARALLEL := --numprocesses auto --maxprocesses 4 --dist loadfile
+
 test:
 	py=$$(tools/setup_env.sh)
-	$$py -m pytest tests
+	$$py -m pytest $(PARALLEL) tests
 	kpy=$$(tools/setup_kernel_env.sh)
-	TRITON_INTERPRET=1 $$kpy -m pytest $(KERNEL_TESTS)
+	TRITON_INTERPRET=1 $$kpy -m pytest $(PARALLEL) $(KERNEL_TESTS)

@@ -10,6 +10,14 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``make test``), each worker takes its share of the cores for torch's intra-op
+    threads: with torch's default, every worker's threads would spin on every core."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread for the test, then torch's count as it was. The models and tensors of the tests
