@@ -9,7 +9,6 @@ import time
 
 import torch
 
-from ..d2 import validate_sn_config
 
 WARMUP_ROUNDS = 2
 
@@ -109,6 +108,8 @@ def norm_setting_cfgs(base_cfg, norms, norm_keys) -> dict:
 
 
 def _setting_cfg(base_cfg, norm, norm_keys):
+    from ..d2 import validate_sn_config  # here: the launch count times layers where detectron2 is absent
+
     cfg = base_cfg.clone()
     cfg.defrost()
     cfg.merge_from_list([item for key in norm_keys for item in (key, norm)])
