@@ -66,19 +66,21 @@ def normalize(x: Tensor, kernels: FusedStatistics, parameters: Sequence[Tensor],
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in parameters)):
         return _FusedNormalize.apply(x, kernels, replay, *parameters)
     with torch.no_grad():  # the passes' fused forms (passes), as in the autograd node
-        mean, var = passes.moments(x)
+        over = passes.over(x)
+        mean, var = over.moments(x)
         scale, shift, _ = kernels.forward(mean, var)
-        return passes.scale_shift(x, scale, shift, mean)
+        return over.scale_shift(x, scale, shift, mean)
 
 
 class _FusedNormalize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, kernels: FusedStatistics, replay, *parameters: Tensor):
-        mean, var = passes.moments(x)
+        over = passes.over(x)  # the passes of this call, forward and backward
+        mean, var = over.moments(x)
         scale, shift, saved = kernels.forward(mean, var)
         ctx.save_for_backward(x, mean, var, *saved, *parameters)
-        ctx.kernels, ctx.replay, ctx.num_saved = kernels, replay, len(saved)
-        return passes.scale_shift(x, scale, shift, mean)
+        ctx.kernels, ctx.replay, ctx.num_saved, ctx.passes = kernels, replay, len(saved), over
+        return over.scale_shift(x, scale, shift, mean)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
@@ -88,9 +90,9 @@ class _FusedNormalize(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
             grad_x, grad_parameters = replayed_gradients(ctx.replay, x, parameters, grad_y, needs_x, needs_parameters)
             return (grad_x, None, None, *grad_parameters)
-        dot, total = passes.centered_dot_and_sum(grad_y, x, mean)
+        dot, total = ctx.passes.centered_dot_and_sum(grad_y, x, mean)
         scale, p, q, grad_parameters = ctx.kernels.backward(mean, var, saved, parameters, dot, total)
-        grad_x = passes.grad_input(grad_y, x, scale, p, q, mean) if needs_x else None
+        grad_x = ctx.passes.grad_input(grad_y, x, scale, p, q, mean) if needs_x else None
         return (grad_x, None, None, *(g if needed else None for g, needed in zip(grad_parameters, needs_parameters)))
 
 

@@ -64,36 +64,58 @@ def uses_triton(x: Tensor) -> bool:
     return not torch.is_grad_enabled() and kernel_path(x)
 
 
+class TorchPasses:
+    """The four passes in PyTorch operations (module docstring), for any x; holds nothing."""
+
+    @staticmethod
+    def moments(x: Tensor) -> tuple[Tensor, Tensor]:
+        return torch_moments(x.to(stat_dtype(x)))
+
+    @staticmethod
+    def scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor) -> Tensor:
+        return _torch_scale_shift(x.to(scale.dtype), scale, shift, center).to(x.dtype)
+
+    @staticmethod
+    def centered_dot_and_sum(grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Tensor, Tensor]:
+        return _torch_centered_dot_and_sum(grad_y.to(center.dtype), x.to(center.dtype), center)
+
+    @staticmethod
+    def grad_input(grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor) -> Tensor:
+        xs = x.to(scale.dtype)
+        # one full-size write, then an in-place update: no second full-size temporary
+        grad_x = _torch_scale_shift(xs, p, q, center)
+        return grad_x.addcmul_(grad_y.to(scale.dtype), scale[:, :, None, None]).to(x.dtype)
+
+
+_TORCH_PASSES = TorchPasses()
+
+
+def over(x: Tensor):
+    """The passes for x and every tensor of its shape and layout in one layer call (x, grad_y): the Triton
+    kernels' (``triton_kernels.MapPasses``, x checked once) where ``uses_triton(x)``, else PyTorch's. A
+    layer decides once per call, in its forward, and runs its backward's passes through the same."""
+    return triton_kernels.MapPasses(x) if uses_triton(x) else _TORCH_PASSES
+
+
 def moments(x: Tensor) -> tuple[Tensor, Tensor]:
     """The IN mean and biased variance (N, C) of x, in the statistics dtype, without autograd."""
-    if uses_triton(x):
-        return triton_kernels.moments(x)
-    return torch_moments(x.to(stat_dtype(x)))
+    return over(x).moments(x)
 
 
 def scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor) -> Tensor:
     """(x - center) * scale + shift with (N, C) scale, shift and center, computed in their dtype, returned
     in x's dtype as a new tensor that is no view."""
-    if uses_triton(x):
-        return triton_kernels.scale_shift(x, scale, shift, center)
-    return _torch_scale_shift(x.to(scale.dtype), scale, shift, center).to(x.dtype)
+    return over(x).scale_shift(x, scale, shift, center)
 
 
 def centered_dot_and_sum(grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Tensor, Tensor]:
     """sum(grad_y * (x - center)) and sum(grad_y) over H*W per (n, c), in center's dtype, in one read."""
-    if uses_triton(x):
-        return triton_kernels.centered_dot_and_sum(like(grad_y, x), x, center)
-    return _torch_centered_dot_and_sum(grad_y.to(center.dtype), x.to(center.dtype), center)
+    return over(x).centered_dot_and_sum(grad_y, x, center)
 
 
 def grad_input(grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor) -> Tensor:
     """grad_y * scale + (x - center) * p + q with (N, C) vectors, returned in x's dtype; one write."""
-    if uses_triton(x):
-        return triton_kernels.grad_input(like(grad_y, x), x, scale, p, q, center)
-    xs = x.to(scale.dtype)
-    # one full-size write, then an in-place update: no second full-size temporary
-    grad_x = _torch_scale_shift(xs, p, q, center)
-    return grad_x.addcmul_(grad_y.to(scale.dtype), scale[:, :, None, None]).to(x.dtype)
+    return over(x).grad_input(grad_y, x, scale, p, q, center)
 
 
 def like(grad_y: Tensor, x: Tensor) -> Tensor:

@@ -72,7 +72,7 @@ except ImportError:  # the caller checks available() and keeps its PyTorch path
     triton = None
     tl = None
 
-__all__ = ["available", "cdiv", "interpreting", "launch", "next_pow2", "moments", "scale_shift", "centered_dot_and_sum", "grad_input"]
+__all__ = ["available", "cdiv", "interpreting", "launch", "next_pow2", "MapPasses", "moments", "scale_shift", "centered_dot_and_sum", "grad_input"]
 
 # triton.jit reads TRITON_INTERPRET when the kernels below are decorated, i.e. at import: the same moment
 # is recorded here, to tell whether CPU tensors can be run.
@@ -331,83 +331,101 @@ def _output_like(x: Tensor) -> Tensor:
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
 
 
+class MapPasses:
+    """The four passes over the inputs of one shape and layout as x's, x checked once (``_layout``) and the
+    tiles and grids worked out once. A layer's call builds one and runs its passes through it: its (N, C)
+    vectors are its own float32 ones and grad_y is the gradient of an output shaped like x, so the passes
+    check neither: they take the vectors contiguous (autograd may hand over an expanded one) and grad_y in
+    x's layout (made so if needed). The module's functions check every argument, then run the same passes.
+    It holds no tensor."""
+
+    def __init__(self, x: Tensor):
+        _require_triton()
+        self.channels_last = _layout(x, "x")
+        n, c, h, w = x.shape
+        self.n, self.c, self.hw = n, c, h * w
+        self.block_c, self.block_hw = _tile_shape(c, h * w, self.channels_last)
+        self.c_blocks, self.hw_blocks = cdiv(c, self.block_c), cdiv(h * w, self.block_hw)
+        self.memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
+        self.empty = n * c == 0 or h * w == 0
+
+    def _meta(self) -> dict:
+        return dict(CHANNELS_LAST=self.channels_last, BLOCK_C=self.block_c, BLOCK_HW=self.block_hw, num_warps=_NUM_WARPS)
+
+    def _map_vectors(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Two float32 (N, C) tensors to be written in full."""
+        return (torch.empty((self.n, self.c), dtype=torch.float32, device=x.device),
+                torch.empty((self.n, self.c), dtype=torch.float32, device=x.device))  # fmt: skip
+
+    def moments(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        if self.empty:  # an empty map has mean 0 and variance 0, like passes.torch_moments
+            return x.new_zeros((self.n, self.c), dtype=torch.float32), x.new_zeros((self.n, self.c), dtype=torch.float32)
+        mean, var = self._map_vectors(x)
+        launch(_moments_kernel, (self.n * self.c_blocks,), x, mean, var, self.c, self.hw, self.c_blocks, **self._meta())
+        return mean, var
+
+    def scale_shift(self, x: Tensor, scale: Tensor, shift: Tensor, center: Tensor | None = None) -> Tensor:
+        y = _output_like(x)
+        if self.empty:
+            return y
+        has_center = center is not None
+        scale, shift = scale.contiguous(), shift.contiguous()
+        center = center.contiguous() if has_center else scale  # a placeholder the kernel never reads
+        launch(_scale_shift_kernel, (self.n * self.c_blocks * self.hw_blocks,),
+            x, y, scale, shift, center, self.c, self.hw, self.c_blocks, self.hw_blocks,
+            HAS_CENTER=has_center, **self._meta(),
+        )  # fmt: skip
+        return y
+
+    def centered_dot_and_sum(self, grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Tensor, Tensor]:
+        if self.empty:
+            return x.new_zeros((self.n, self.c), dtype=torch.float32), x.new_zeros((self.n, self.c), dtype=torch.float32)
+        grad_y, center = grad_y.contiguous(memory_format=self.memory_format), center.contiguous()
+        dot, total = self._map_vectors(x)
+        launch(_centered_dot_and_sum_kernel, (self.n * self.c_blocks,),
+            grad_y, x, center, dot, total, self.c, self.hw, self.c_blocks, **self._meta(),
+        )  # fmt: skip
+        return dot, total
+
+    def grad_input(self, grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor) -> Tensor:
+        grad_x = _output_like(x)
+        if self.empty:
+            return grad_x
+        grad_y = grad_y.contiguous(memory_format=self.memory_format)
+        scale, p, q, center = scale.contiguous(), p.contiguous(), q.contiguous(), center.contiguous()
+        launch(_grad_input_kernel, (self.n * self.c_blocks * self.hw_blocks,),
+            grad_y, x, grad_x, scale, p, q, center, self.c, self.hw, self.c_blocks, self.hw_blocks, **self._meta(),
+        )  # fmt: skip
+        return grad_x
+
+
 def moments(x: Tensor) -> tuple[Tensor, Tensor]:
     """IN mean and biased variance over H*W of each (n, c) map of x: two float32 (N, C) tensors, in one
     read of x, by shifted sums (accurate whatever the mean-to-spread ratio: module docstring)."""
-    _require_triton()
-    channels_last = _layout(x, "x")
-    n, c, h, w = x.shape
-    hw = h * w
-    if n * c == 0 or hw == 0:  # an empty map has mean 0 and variance 0, like passes.torch_moments
-        return x.new_zeros((n, c), dtype=torch.float32), x.new_zeros((n, c), dtype=torch.float32)
-    mean = torch.empty((n, c), dtype=torch.float32, device=x.device)  # every map is written
-    var = torch.empty((n, c), dtype=torch.float32, device=x.device)
-    block_c, block_hw = _tile_shape(c, hw, channels_last)
-    c_blocks = cdiv(c, block_c)
-    launch(_moments_kernel, (n * c_blocks,),
-        x, mean, var, c, hw, c_blocks,
-        CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw, num_warps=_NUM_WARPS,
-    )
-    return mean, var
+    return MapPasses(x).moments(x)
 
 
 def scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor | None = None) -> Tensor:
     """y = x * scale + shift, or (x - center) * scale + shift when ``center`` is given, with float32 (N, C)
     per-map vectors; computed in float32, returned in x's dtype and memory layout."""
-    _require_triton()
-    channels_last = _layout(x, "x")
+    passes = MapPasses(x)
     scale, shift = _map_vector(scale, x, "scale"), _map_vector(shift, x, "shift")
-    has_center = center is not None
-    center = _map_vector(center, x, "center") if has_center else scale  # a placeholder the kernel never reads
-    y = _output_like(x)
-    if x.numel() == 0:
-        return y
-    n, c, h, w = x.shape
-    block_c, block_hw = _tile_shape(c, h * w, channels_last)
-    c_blocks, hw_blocks = cdiv(c, block_c), cdiv(h * w, block_hw)
-    launch(_scale_shift_kernel, (n * c_blocks * hw_blocks,),
-        x, y, scale, shift, center, c, h * w, c_blocks, hw_blocks,
-        HAS_CENTER=has_center, CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw,
-        num_warps=_NUM_WARPS,
-    )
-    return y
+    center = _map_vector(center, x, "center") if center is not None else None
+    return passes.scale_shift(x, scale, shift, center)
 
 
 def centered_dot_and_sum(grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Tensor, Tensor]:
     """dot = sum over H*W of grad_y * (x - center) and total = sum over H*W of grad_y, each float32 (N, C),
     in one read of (grad_y, x)."""
     _require_triton()
-    channels_last = _check_same_layout(grad_y, x)
-    center = _map_vector(center, x, "center")
-    n, c, h, w = x.shape
-    if n * c == 0 or h * w == 0:
-        return x.new_zeros((n, c), dtype=torch.float32), x.new_zeros((n, c), dtype=torch.float32)
-    dot = torch.empty((n, c), dtype=torch.float32, device=x.device)  # every map is written
-    total = torch.empty((n, c), dtype=torch.float32, device=x.device)
-    block_c, block_hw = _tile_shape(c, h * w, channels_last)
-    c_blocks = cdiv(c, block_c)
-    launch(_centered_dot_and_sum_kernel, (n * c_blocks,),
-        grad_y, x, center, dot, total, c, h * w, c_blocks,
-        CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw, num_warps=_NUM_WARPS,
-    )
-    return dot, total
+    _check_same_layout(grad_y, x)
+    return MapPasses(x).centered_dot_and_sum(grad_y, x, _map_vector(center, x, "center"))
 
 
 def grad_input(grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor) -> Tensor:
     """grad_x = grad_y * scale + (x - center) * p + q with float32 (N, C) per-map vectors; computed in
     float32, returned in x's dtype and memory layout; one read of (grad_y, x), one write."""
     _require_triton()
-    channels_last = _check_same_layout(grad_y, x)
+    _check_same_layout(grad_y, x)
     scale, p, q = _map_vector(scale, x, "scale"), _map_vector(p, x, "p"), _map_vector(q, x, "q")
-    center = _map_vector(center, x, "center")
-    grad_x = _output_like(x)
-    if x.numel() == 0:
-        return grad_x
-    n, c, h, w = x.shape
-    block_c, block_hw = _tile_shape(c, h * w, channels_last)
-    c_blocks, hw_blocks = cdiv(c, block_c), cdiv(h * w, block_hw)
-    launch(_grad_input_kernel, (n * c_blocks * hw_blocks,),
-        grad_y, x, grad_x, scale, p, q, center, c, h * w, c_blocks, hw_blocks,
-        CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw, num_warps=_NUM_WARPS,
-    )
-    return grad_x
+    return MapPasses(x).grad_input(grad_y, x, scale, p, q, _map_vector(center, x, "center"))

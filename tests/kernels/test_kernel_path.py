@@ -61,16 +61,16 @@ def assert_same(actual, expected, tolerance):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Each kernel wrapper's calls through ``passes``: the dtype of the full-size tensor each one read."""
+    """Each Triton pass's calls through ``passes``: the dtype of the full-size tensor each one read first."""
     reads = {kernel: [] for kernel in KERNELS}
     for kernel in KERNELS:
-        original = getattr(passes.triton_kernels, kernel)
+        original = getattr(passes.triton_kernels.MapPasses, kernel)
 
-        def recorded(tensor, *args, kernel=kernel, original=original, **kwargs):
+        def recorded(self, tensor, *args, kernel=kernel, original=original, **kwargs):
             reads[kernel].append(tensor.dtype)
-            return original(tensor, *args, **kwargs)
+            return original(self, tensor, *args, **kwargs)
 
-        monkeypatch.setattr(passes.triton_kernels, kernel, recorded)
+        monkeypatch.setattr(passes.triton_kernels.MapPasses, kernel, recorded)
     return reads
 
 
