@@ -7,6 +7,8 @@ makes a layer host-bound there; counted on any machine:
     TRITON_INTERPRET=1 $(tools/setup_kernel_env.sh) tools/count_launches.py   # the GPU's path, on the CPU
 
 Without a GPU and without the interpreter, the layers run their PyTorch path, and that is what is counted.
+``--host-time`` also times each layer's training step on the kernel path with its Triton launches skipped:
+the host's work around the kernels, beside torch's GroupNorm(32) (``launches.host_times``).
 """
 
 from __future__ import annotations
@@ -17,17 +19,61 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..layers.launches import layer_counts
+from torch import nn
+
+from ..layers import NORM_NAMES, build_norm, passes
+from ..layers.launches import layer_counts, skipped_launches
+from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, positive_int, range_text, ratio_to
+
+
+def host_times(device: torch.device, rounds: int, shape=(2, 256, 6, 6), steps: int = 100) -> dict:
+    """Per layer (torch's GroupNorm(32), then every name of ``build_norm``): seconds of one training forward +
+    backward (gradients set to None first), averaged over ``steps``, with the Triton launches skipped
+    (``launches.skipped_launches``; torch's GroupNorm runs whole), as ``timing.ratio_to`` summarises
+    ``rounds`` interleaved rounds, on one intra-op thread. What the layers compute is meaningless (no
+    kernel runs): each is a copy built for this."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=generator).to(device).requires_grad_()
+    grad_y = torch.randn(shape, generator=generator).to(device)
+    layers = {"torch GN(32)": nn.GroupNorm(32, shape[1]), **{name: build_norm(name, shape[1]) for name in NORM_NAMES}}
+    layers = {label: (layer.to(device).train(), list(layer.parameters())) for label, layer in layers.items()}
+
+    def training_steps(candidate, _):
+        layer, parameters = candidate
+
+        def run():
+            for _ in range(steps):
+                for parameter in parameters:
+                    parameter.grad = None
+                x.grad = None
+                layer(x).backward(grad_y)
+
+        return device_seconds(run, device) / steps
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with skipped_launches():
+            times = interleaved_seconds(layers, range(WARMUP_ROUNDS + rounds), training_steps)
+    finally:
+        torch.set_num_threads(threads)
+    return ratio_to(times, "torch GN(32)")
 
 
 def main(argv: Optional[Sequence[str]] = None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: CUDA where available, else the CPU")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--host-time", action="store_true",
+                        help="also time each layer's training step with its Triton launches skipped (needs the kernel path)")
+    parser.add_argument("--rounds", type=positive_int, default=15, help="--host-time: rounds, the layers in turn in each (default: 15)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.host_time and not passes.kernel_path(torch.empty(1, 1, 1, 1, device=device)):
+        parser.error(f"--host-time needs the kernel path, which {device.type} tensors do not take here: "
+                     "a CUDA device, or the CPU with TRITON_INTERPRET=1 in the kernel-test environment")
     rows = layer_counts(device)
     path = "the Triton kernel path" if rows[0]["kernel_path"] else "the PyTorch path (no Triton kernels here)"
     print(f"torch {torch.__version__}, {device.type}, {'x'.join(map(str, rows[0]['shape']))}: {path}")
@@ -39,6 +85,14 @@ def main(argv: Optional[Sequence[str]] = None):
         line = (f"{row['layer']:13} {row['train_launches']:14} {row['train_allocations']:11} {row['train_syncs']:5} "
                 f"{row['inference_launches']:18} {row['inference_syncs']:5}")
         print(line + (f" {row['train_kernels_profiled']:16}" if profiled else ""))
+    if args.host_time:
+        times = host_times(device, args.rounds)
+        print(f"\nhost time of a training step with the Triton launches skipped (torch GN whole), {args.rounds} rounds:")
+        for label, timed in times.items():
+            print(f"{label:13} {timed['seconds'] * 1e6:8.0f} us {timed['ratio']:6.2f}x torch GN(32) "
+                  f"({range_text(timed['ratio_range'])})")
+        for row in rows:
+            row["host_time"] = times.get(row["layer"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

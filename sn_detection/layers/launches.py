@@ -19,6 +19,10 @@ kernels a GPU profiler records for them; some ATen operations launch several ker
 group norm, for one), so for other code the count is a lower bound.
 ``layer_counts`` counts every layer of ``build_norm`` beside torch's GroupNorm and BatchNorm
 (``tools/count_launches.py``).
+
+``skipped_launches`` runs a layer with no Triton kernel, so that the host's work around its kernels (its
+Python and ATen calls) can be timed on any machine with the kernel path (``tools/count_launches.py
+--host-time``). On a GPU a layer whose kernels take less time than this is bound by it.
 """
 
 from __future__ import annotations
@@ -166,3 +170,16 @@ def layer_counts(device: torch.device, shape=(2, 256, 6, 6)) -> list[dict]:
             "train_operations": dict(train.operations), "train_kernels_profiled": profiled,
         })  # fmt: skip
     return rows
+
+
+@contextlib.contextmanager
+def skipped_launches() -> Iterator[None]:
+    """Within the block no Triton kernel of the package runs (``triton_kernels.launch`` returns at once):
+    their outputs keep whatever their memory held."""
+    previous = triton_kernels.skip_launches
+    triton_kernels.skip_launches = True
+    try:
+        yield
+    finally:
+        triton_kernels.skip_launches = previous
+

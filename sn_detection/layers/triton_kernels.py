@@ -242,11 +242,15 @@ if triton is not None:
 # Called around every kernel launch, when set (``launches.count_dispatch``, the compile test): a context
 # manager factory taking the kernel, its positional arguments and its keyword (meta) arguments.
 launch_observer = None
+# Set by ``launches.skipped_launches`` only: no kernel runs, so that the host's work around them can be timed.
+skip_launches = False
 
 
 def launch(kernel, grid: tuple, *args, **meta) -> None:
     """``kernel[grid](*args, **meta)``, seen by ``launch_observer``: every kernel of the package is launched
     here, so that a launch count sees them all."""
+    if skip_launches:
+        return
     if launch_observer is None:
         kernel[grid](*args, **meta)
         return

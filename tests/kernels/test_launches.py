@@ -50,3 +50,39 @@ def test_no_layer_waits_for_the_device(name, n, training):
     with torch.no_grad():
         inference = count_dispatch(lambda: layer(x))
     assert step.syncs == 0 and inference.syncs == 0, (step.operations, inference.operations)
+
+
+def test_skipped_launches_run_no_kernel_and_end_with_the_block():
+    from sn_detection.layers import triton_kernels
+    from sn_detection.layers.launches import skipped_launches
+
+    def triton_launches(counts):
+        return sum(number for name, number in counts.operations.items() if name.startswith("triton:"))
+
+    x, grad_y = features()
+    layer = build_norm("SN", 64).to(DEVICE)
+    with skipped_launches():
+        assert triton_launches(count_training_step(layer, x, grad_y)) == 0
+    assert not triton_kernels.skip_launches
+    assert triton_launches(count_training_step(layer, x, grad_y)) == 6
+
+
+def test_the_tool_times_every_layers_host_work_without_detectron2(tmp_path):
+    """The launch count's tool runs where detectron2 is absent (the kernel-test environment has none), and
+    --host-time gives every layer a time and a ratio to torch's GroupNorm."""
+    import json
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run(
+        [sys.executable, os.path.join(repo, "tools", "count_launches.py"), "--host-time", "--rounds", "1",
+         "--json", str(tmp_path / "counts.json")],
+        cwd=repo, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {row["layer"]: row for row in json.loads((tmp_path / "counts.json").read_text())}
+    assert rows["torch BN"]["host_time"] is None and rows["torch GN(32)"]["host_time"]["ratio"] == 1.0
+    for name in NORM_NAMES:
+        assert rows[name]["host_time"]["seconds"] > 0, rows[name]
+        assert f"\n{name} " in result.stdout
