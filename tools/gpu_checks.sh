@@ -5,7 +5,8 @@
 #             through them, the fused path, host synchronisations and CUDA-graph capture (tests/kernels),
 #             and the mixed-precision tests that need CUDA;
 #   counts    every layer's kernel launches and syncs per training step, with the profiler's kernel count
-#             beside them (counts.json; tools/count_launches.py);
+#             beside them, and the host's work of the step with its Triton launches skipped
+#             (counts.json; tools/count_launches.py --host-time);
 #   norms     every layer's forward + backward, fp32 and under AMP, with a profile of one step of each
 #             (norms.json, norms_amp.json; tools/benchmark_norms.py);
 #   train     a Mask R-CNN R50-FPN training step and inference at 2 images of 800 px per GPU, the SN paper's
@@ -60,7 +61,7 @@ if wanted tests; then
   step "cuda tests" 120 "$py" -m pytest -q ${workers:+-n $workers} -k cuda tests/d2/test_mixed_precision.py tests/d2/test_trainers.py
 fi
 if wanted counts; then
-  step counts 90 "$py" tools/count_launches.py --device cuda --json "$out/counts.json"
+  step counts 120 "$py" tools/count_launches.py --device cuda --host-time --json "$out/counts.json"
 fi
 if wanted norms; then
   step norms 150 "$py" tools/benchmark_norms.py --device cuda --repeats 20 --profile --json "$out/norms.json"
