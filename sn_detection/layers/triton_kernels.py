@@ -336,12 +336,12 @@ def _output_like(x: Tensor) -> Tensor:
 
 
 class MapPasses:
-    """The four passes over the inputs of one shape and layout as x's, x checked once (``_layout``) and the
-    tiles and grids worked out once. A layer's call builds one and runs its passes through it: its (N, C)
+    """The four passes over inputs of x's shape and layout, x checked once (``_layout``) and the tiles and
+    grids worked out once. A layer's call builds one and runs its passes through it: its (N, C)
     vectors are its own float32 ones and grad_y is the gradient of an output shaped like x, so the passes
-    check neither: they take the vectors contiguous (autograd may hand over an expanded one) and grad_y in
-    x's layout (made so if needed). The module's functions check every argument, then run the same passes.
-    It holds no tensor."""
+    check neither but the vectors' dtype: they take the vectors contiguous (autograd may hand over an
+    expanded one) and grad_y in x's layout (made so if needed). The module's functions check every
+    argument, then run the same passes. It holds no tensor."""
 
     def __init__(self, x: Tensor):
         _require_triton()
@@ -352,6 +352,13 @@ class MapPasses:
         self.c_blocks, self.hw_blocks = cdiv(c, self.block_c), cdiv(h * w, self.block_hw)
         self.memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
         self.empty = n * c == 0 or h * w == 0
+
+    @staticmethod
+    def _vectors(*vectors: Tensor) -> list[Tensor]:
+        """The (N, C) vectors, contiguous; refused unless float32, which the kernels read them as."""
+        if any(v.dtype != torch.float32 for v in vectors):
+            raise ValueError(f"the per-map vectors must be float32, got {[v.dtype for v in vectors]}")
+        return [v.contiguous() for v in vectors]
 
     def _meta(self) -> dict:
         return dict(CHANNELS_LAST=self.channels_last, BLOCK_C=self.block_c, BLOCK_HW=self.block_hw, num_warps=_NUM_WARPS)
@@ -373,8 +380,7 @@ class MapPasses:
         if self.empty:
             return y
         has_center = center is not None
-        scale, shift = scale.contiguous(), shift.contiguous()
-        center = center.contiguous() if has_center else scale  # a placeholder the kernel never reads
+        scale, shift, center = self._vectors(scale, shift, center if has_center else scale)  # else a placeholder
         launch(_scale_shift_kernel, (self.n * self.c_blocks * self.hw_blocks,),
             x, y, scale, shift, center, self.c, self.hw, self.c_blocks, self.hw_blocks,
             HAS_CENTER=has_center, **self._meta(),
@@ -384,7 +390,7 @@ class MapPasses:
     def centered_dot_and_sum(self, grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Tensor, Tensor]:
         if self.empty:
             return x.new_zeros((self.n, self.c), dtype=torch.float32), x.new_zeros((self.n, self.c), dtype=torch.float32)
-        grad_y, center = grad_y.contiguous(memory_format=self.memory_format), center.contiguous()
+        grad_y, (center,) = grad_y.contiguous(memory_format=self.memory_format), self._vectors(center)
         dot, total = self._map_vectors(x)
         launch(_centered_dot_and_sum_kernel, (self.n * self.c_blocks,),
             grad_y, x, center, dot, total, self.c, self.hw, self.c_blocks, **self._meta(),
@@ -396,7 +402,7 @@ class MapPasses:
         if self.empty:
             return grad_x
         grad_y = grad_y.contiguous(memory_format=self.memory_format)
-        scale, p, q, center = scale.contiguous(), p.contiguous(), q.contiguous(), center.contiguous()
+        scale, p, q, center = self._vectors(scale, p, q, center)
         launch(_grad_input_kernel, (self.n * self.c_blocks * self.hw_blocks,),
             grad_y, x, grad_x, scale, p, q, center, self.c, self.hw, self.c_blocks, self.hw_blocks, **self._meta(),
         )  # fmt: skip
