@@ -8,7 +8,7 @@ makes a layer host-bound there; counted on any machine:
 
 Without a GPU and without the interpreter, the layers run their PyTorch path, and that is what is counted.
 ``--host-time`` also times each layer's training step on the kernel path with its Triton launches skipped:
-the host's work around the kernels, beside torch's GroupNorm(32) (``launches.host_times``).
+the host's work around the kernels, beside torch's GroupNorm(32) (``host_times``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import json
 from typing import Optional, Sequence
 
 import torch
-
 from torch import nn
 
 from ..layers import NORM_NAMES, build_norm, passes

@@ -182,4 +182,3 @@ def skipped_launches() -> Iterator[None]:
         yield
     finally:
         triton_kernels.skip_launches = previous
-

@@ -65,7 +65,8 @@ def uses_triton(x: Tensor) -> bool:
 
 
 class TorchPasses:
-    """The four passes in PyTorch operations (module docstring), for any x; holds nothing."""
+    """The four passes in PyTorch operations (module docstring), for any x: static methods, used as the
+    class itself."""
 
     @staticmethod
     def moments(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -87,14 +88,11 @@ class TorchPasses:
         return grad_x.addcmul_(grad_y.to(scale.dtype), scale[:, :, None, None]).to(x.dtype)
 
 
-_TORCH_PASSES = TorchPasses()
-
-
 def over(x: Tensor):
     """The passes for x and every tensor of its shape and layout in one layer call (x, grad_y): the Triton
     kernels' (``triton_kernels.MapPasses``, x checked once) where ``uses_triton(x)``, else PyTorch's. A
     layer decides once per call, in its forward, and runs its backward's passes through the same."""
-    return triton_kernels.MapPasses(x) if uses_triton(x) else _TORCH_PASSES
+    return triton_kernels.MapPasses(x) if uses_triton(x) else TorchPasses
 
 
 def moments(x: Tensor) -> tuple[Tensor, Tensor]:

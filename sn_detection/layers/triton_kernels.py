@@ -364,14 +364,16 @@ class MapPasses:
         return dict(CHANNELS_LAST=self.channels_last, BLOCK_C=self.block_c, BLOCK_HW=self.block_hw, num_warps=_NUM_WARPS)
 
     def _map_vectors(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Two float32 (N, C) tensors to be written in full."""
-        return (torch.empty((self.n, self.c), dtype=torch.float32, device=x.device),
-                torch.empty((self.n, self.c), dtype=torch.float32, device=x.device))  # fmt: skip
+        """Two float32 (N, C) tensors for a reduction's results: to be written in full, or zeros where the
+        maps are empty (their sums, and so their mean and variance, are 0, like passes.torch_moments')."""
+        allocate = torch.zeros if self.empty else torch.empty
+        return (allocate((self.n, self.c), dtype=torch.float32, device=x.device),
+                allocate((self.n, self.c), dtype=torch.float32, device=x.device))  # fmt: skip
 
     def moments(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        if self.empty:  # an empty map has mean 0 and variance 0, like passes.torch_moments
-            return x.new_zeros((self.n, self.c), dtype=torch.float32), x.new_zeros((self.n, self.c), dtype=torch.float32)
         mean, var = self._map_vectors(x)
+        if self.empty:
+            return mean, var
         launch(_moments_kernel, (self.n * self.c_blocks,), x, mean, var, self.c, self.hw, self.c_blocks, **self._meta())
         return mean, var
 
@@ -388,10 +390,10 @@ class MapPasses:
         return y
 
     def centered_dot_and_sum(self, grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Tensor, Tensor]:
-        if self.empty:
-            return x.new_zeros((self.n, self.c), dtype=torch.float32), x.new_zeros((self.n, self.c), dtype=torch.float32)
-        grad_y, (center,) = grad_y.contiguous(memory_format=self.memory_format), self._vectors(center)
         dot, total = self._map_vectors(x)
+        if self.empty:
+            return dot, total
+        grad_y, (center,) = grad_y.contiguous(memory_format=self.memory_format), self._vectors(center)
         launch(_centered_dot_and_sum_kernel, (self.n * self.c_blocks,),
             grad_y, x, center, dot, total, self.c, self.hw, self.c_blocks, **self._meta(),
         )  # fmt: skip
@@ -418,10 +420,10 @@ def moments(x: Tensor) -> tuple[Tensor, Tensor]:
 def scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor | None = None) -> Tensor:
     """y = x * scale + shift, or (x - center) * scale + shift when ``center`` is given, with float32 (N, C)
     per-map vectors; computed in float32, returned in x's dtype and memory layout."""
-    passes = MapPasses(x)
+    over = MapPasses(x)
     scale, shift = _map_vector(scale, x, "scale"), _map_vector(shift, x, "shift")
     center = _map_vector(center, x, "center") if center is not None else None
-    return passes.scale_shift(x, scale, shift, center)
+    return over.scale_shift(x, scale, shift, center)
 
 
 def centered_dot_and_sum(grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Tensor, Tensor]:
