@@ -2,7 +2,7 @@
 each norm can be finetuned from its own best backbone instead of from one recipe tuned for one norm.
 
     tools/pretrain_grid.py [--config-file CFG] [--norms BN,GN,SN,DN,MGN] [--lrs 0.05,0.1,0.2,0.4]
-        [--warmups 0,40] [--target-top1 X] [--jobs N] [--output-dir DIR] [--publish FILE]
+        [--warmups 0,40] [--target-top1 X [--equal-top1]] [--jobs N] [--output-dir DIR] [--publish FILE]
         [--plan-only | --report-only] [KEY VALUE ...]
 
 A **cell** is a norm and a setting (PRETRAIN.BASE_LR, and PRETRAIN.WARMUP_ITERS with ``--warmups``):
@@ -36,18 +36,27 @@ cell). FrozenBN is pretrained as BN (``pretrained_norm``), so it is the BN cell.
   val top-1 reached X, from the same runs. It does not train anything further: a cell whose runs never
   reach X within the budget shows "not reached", and the iteration is only as fine as EVAL_PERIOD (the
   end of training is always evaluated).
+- **Equal top-1** (``--equal-top1``, with ``--target-top1 X``): once a norm's cells are all done, its best
+  setting is trained again in a cell of its own, stopped by PRETRAIN.STOP_ITER at the first evaluated
+  iteration at which the grid cell reached X: the same run cut short (the same seed, data stream and
+  schedule of PRETRAIN.MAX_ITER), then batch-averaged and evaluated as every cell is, into the cache. So
+  every norm gets a backbone of about X % top-1, and the iterations it needed are a finding of their own.
+  X should be at most the lowest best, so that every norm reaches it; a norm whose best never did is
+  reported as not reached. A stop at the end of the schedule is the best cell itself.
 - **Outputs** in OUTPUT_DIR: ``results.md`` (top-1 per norm x setting with wall times, each norm's best
   setting by val top-1 in bold, then a row per cell), ``results.csv``, ``results.json`` (with the
   curves), and ``best.json``, ``{norm: {PRETRAIN key: value}}``: each norm's best setting, for norms
   whose cells are all done; ``tools/compare_norms.py --finetune --backbones best.json`` finetunes each
   setting from its backbone norm's best backbone (FrozenBN from BN's). ``--publish FILE`` also writes
-  the markdown.
+  the markdown. With ``--equal-top1``, ``equal_top1.json`` (the same form, each norm's best setting with
+  its PRETRAIN.STOP_ITER) and the equal-top-1 table under the grid's.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import itertools
 import json
 import logging
@@ -68,6 +77,7 @@ from ..d2 import valid_norm_names
 from ..pretraining.model import PRETRAINED_AS
 from ..pretraining.train import (
     LOG_PERIOD, RESULTS_FILE, cached_backbone, cached_backbone_folder, cached_backbone_path, is_cached,
+    trained_iterations,
 )  # fmt: skip
 from .compare_norms import child_environment, config_label, has_checkpoint, usable_cores, with_pretrain_overrides
 from .launch import load_cfg
@@ -86,6 +96,7 @@ CELL_LOG = "pretrain.log"
 WORK_FOLDER = "training"
 METRICS_FILE = "metrics.json"
 TABLE_FILE, CSV_FILE, JSON_FILE, BEST_FILE = "results.md", "results.csv", "results.json", "best.json"
+EQUAL_FILE = "equal_top1.json"
 NOT_REACHED = "not reached"
 CSV_COLUMNS = ("norm", "setting", "best", "val_top1", "iterations", "wall_s", "s_per_iter", "iterations_to_target")
 
@@ -99,12 +110,12 @@ class Cell:
 
     @property
     def setting(self) -> str:
-        names = {"PRETRAIN.BASE_LR": "LR", "PRETRAIN.WARMUP_ITERS": "warm-up"}
+        names = {"PRETRAIN.BASE_LR": "LR", "PRETRAIN.WARMUP_ITERS": "warm-up", "PRETRAIN.STOP_ITER": "stopped at"}
         return ", ".join(f"{names.get(key, key)} {value}" for key, value in self.overrides)
 
     @property
     def name(self) -> str:
-        short = {"PRETRAIN.BASE_LR": "lr", "PRETRAIN.WARMUP_ITERS": "warmup"}
+        short = {"PRETRAIN.BASE_LR": "lr", "PRETRAIN.WARMUP_ITERS": "warmup", "PRETRAIN.STOP_ITER": "stop"}
         return "-".join([self.norm, *(f"{short.get(key, key)}{value}" for key, value in self.overrides)])
 
     def override_list(self) -> list[str]:
@@ -256,6 +267,27 @@ def best_cells(results: Sequence[dict]) -> dict[str, dict]:
     return best
 
 
+def settled_best_cells(cells: Sequence[Cell], results: dict) -> dict[str, dict]:
+    """``best_cells`` of the norms whose cells are all done: their best cannot change any more."""
+    best = best_cells([results[cell] for cell in cells if cell in results])
+    return {norm: result for norm, result in best.items()
+            if all(cell in results for cell in cells if cell.norm == norm)}  # fmt: skip
+
+
+def equal_top1_cells(cells: Sequence[Cell], results: dict, target: float) -> tuple[dict[str, Cell], list[str]]:
+    """``--equal-top1``: per norm with a settled best, that setting stopped (PRETRAIN.STOP_ITER) at the
+    first evaluated iteration at which its grid cell reached ``target``; and the norms whose best never
+    did. A stop at the end of the schedule is the best cell itself (the same cache key)."""
+    equal, not_reached = {}, []
+    for norm, best in settled_best_cells(cells, results).items():
+        stop = iterations_to_reach(best["top1_curve"], target)
+        if stop is None:
+            not_reached.append(norm)
+        else:
+            equal[norm] = Cell(norm, (*best["overrides"].items(), ("PRETRAIN.STOP_ITER", stop)))
+    return equal, not_reached
+
+
 # -- the estimate ------------------------------------------------------------------------------------
 
 
@@ -291,7 +323,7 @@ def estimate(cells_to_run, results, configs, jobs: int, steps: int) -> tuple[flo
             basis[norm] = (seconds, f"{steps} steps measured now on a random batch, {threads} thread(s)")
         else:
             basis[norm] = (math.nan, "no finished cell, nothing measured (--estimate-steps 0)")
-    total = sum(basis[cell.norm][0] * configs[cell].PRETRAIN.MAX_ITER for cell in cells_to_run)
+    total = sum(basis[cell.norm][0] * trained_iterations(configs[cell]) for cell in cells_to_run)
     return total / max(1, min(jobs, len(cells_to_run))), basis
 
 
@@ -344,7 +376,7 @@ def run_cells(todo, output_dir, config_file, opts, configs, jobs: int, after_eac
     def run(cell: Cell) -> bool:
         folder = cell_folder(output_dir, cell)
         cache = cached_backbone_folder(configs[cell])
-        logger.info("%s: pretraining %d iterations (log: %s)", cell.name, configs[cell].PRETRAIN.MAX_ITER,
+        logger.info("%s: pretraining %d iterations (log: %s)", cell.name, trained_iterations(configs[cell]),
                     os.path.join(folder, CELL_LOG))  # fmt: skip
         return execute_cell(cell_command(config_file, opts, cell, folder, cache), folder, cell, cache, jobs)
 
@@ -425,14 +457,45 @@ def markdown(description: str, cells: Sequence[Cell], results: dict, target: Opt
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(output_dir, description, cells, results, target, publish=None) -> dict:
-    """results.md, .csv, .json and best.json (norms whose cells are all done); returns best.json's content."""
+def equal_markdown(target: float, equal: dict[str, Cell], not_reached: Sequence[str], results: dict,
+                   settled: dict[str, dict]) -> str:
+    """The ``--equal-top1`` table: per norm, the iterations its best setting needed to reach ``target``."""
+    lines = [
+        f"#### Trained to {target:g} % (`--equal-top1`)", "",
+        f"Each norm's best setting trained again and stopped (PRETRAIN.STOP_ITER) at the first evaluated "
+        f"iteration at which its grid cell had reached {target:g} % val top-1 (with the moving averages), the "
+        "same run cut short; then batch-averaged and evaluated as every cell is. `equal_top1.json` holds these "
+        "settings for `tools/compare_norms.py --finetune --backbones`.", "",
+        f"| norm | setting | iterations to {target:g} % | top-1 there in the grid cell | val top-1 | wall |",
+        "|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for norm, cell in equal.items():
+        stop = dict(cell.overrides)["PRETRAIN.STOP_ITER"]
+        at_stop = dict(settled[norm]["top1_curve"])[stop]
+        setting = settled[norm]["setting"]
+        result = results.get(cell)
+        done = (f"{result['val_top1']:.2f} % | {format_duration(result['wall_s'])}" if result is not None
+                else "not done | ")  # fmt: skip
+        lines.append(f"| {norm} | {setting} | {stop} | {at_stop:.2f} % | {done} |")
+    for norm in not_reached:
+        lines.append(f"| {norm} | {settled[norm]['setting']} | {NOT_REACHED} in {settled[norm]['iterations']} | "
+                     f"best {settled[norm]['val_top1']:.2f} % | | |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(output_dir, description, cells, results, target, publish=None, equal=None) -> dict:
+    """results.md, .csv, .json and best.json (norms whose cells are all done); with ``equal`` (the
+    ``equal_top1_cells``) also equal_top1.json and their table. Returns best.json's content."""
     os.makedirs(output_dir, exist_ok=True)
     done = [results[cell] for cell in cells if cell in results]
     best = best_cells(done)
-    complete = {norm for norm in best if all(cell in results for cell in cells if cell.norm == norm)}
-    best_overrides = {norm: result["overrides"] for norm, result in best.items() if norm in complete}
+    settled = settled_best_cells(cells, results)
+    best_overrides = {norm: result["overrides"] for norm, result in settled.items()}
     text = markdown(description, cells, results, target)
+    if equal is not None:
+        text += "\n" + equal_markdown(target, *equal, results, settled)
+        equal_overrides = {norm: dict(cell.overrides) for norm, cell in equal[0].items()}
+        write_json(os.path.join(output_dir, EQUAL_FILE), equal_overrides)
     with open(os.path.join(output_dir, TABLE_FILE), "w") as f:
         f.write(text)
     if publish:
@@ -449,6 +512,7 @@ def write_outputs(output_dir, description, cells, results, target, publish=None)
         "cells": [{**result, "best": best[result["norm"]] is result} for result in done],
         "not_done": [{"norm": cell.norm, "setting": cell.setting} for cell in cells if cell not in results],
         "target_top1": target,
+        "equal_top1": [results[cell] for cell in equal[0].values() if cell in results] if equal is not None else [],
     })  # fmt: skip
     write_json(os.path.join(output_dir, BEST_FILE), best_overrides)
     return best_overrides
@@ -469,6 +533,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warmups", help="PRETRAIN.WARMUP_ITERS values, comma-separated (default: the config's)")
     parser.add_argument("--target-top1", type=float, metavar="X",
                         help="report the first evaluated iteration at which val top-1 reached X %%")  # fmt: skip
+    parser.add_argument("--equal-top1", action="store_true",
+                        help="then train each norm's best setting again, stopped where its grid cell first reached "
+                        "--target-top1 (PRETRAIN.STOP_ITER), and write equal_top1.json for compare_norms")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
                         help="cells at once, the threads split between them (default: 1)")  # fmt: skip
     parser.add_argument("--estimate-steps", type=int, default=DEFAULT_ESTIMATE_STEPS, metavar="K",
@@ -486,6 +553,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(f"--estimate-steps must be >= 0, got {args.estimate_steps}")
     if args.target_top1 is not None and not 0 < args.target_top1 <= 100:
         parser.error(f"--target-top1 must be a top-1 in (0, 100] %, got {args.target_top1}")
+    if args.equal_top1 and args.target_top1 is None:
+        parser.error("--equal-top1 trains each norm to --target-top1 X: give X (at most the lowest best top-1, so "
+                     "that every norm reaches it)")  # fmt: skip
     if not os.path.isfile(args.config_file):
         parser.error(f"--config-file {args.config_file}: no such file")
     try:
@@ -530,9 +600,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"pretrain_grid: error: {error}") from None
     description = describe(cfg, args.config_file, cells, args.target_top1)
 
-    def collect() -> dict:
-        found = {cell: cell_result(args.output_dir, cell, configs[cell], args.target_top1) for cell in cells}
+    def collect(extra: Sequence[Cell] = ()) -> dict:
+        for cell in extra:
+            configs.setdefault(cell, cell_cfg(cfg, cell))
+        found = {cell: cell_result(args.output_dir, cell, configs[cell], args.target_top1) for cell in (*cells, *extra)}
         return {cell: result for cell, result in found.items() if result is not None}
+
+    def plan_equal() -> Optional[tuple[dict[str, Cell], list[str]]]:
+        """The --equal-top1 cells of the norms settled so far (their configs checked), or None."""
+        if not args.equal_top1:
+            return None
+        equal = equal_top1_cells(cells, collect(), args.target_top1)
+        planned = list(equal[0].values())
+        collect(planned)
+        check_cell_folders(args.output_dir, planned, configs)
+        return equal
+
+    def write() -> dict:
+        equal = plan_equal()
+        results = collect(list(equal[0].values()) if equal else ())
+        return write_outputs(args.output_dir, description, cells, results, args.target_top1, args.publish, equal)
 
     results = collect()
     todo = [cell for cell in cells if cell not in results]
@@ -541,30 +628,47 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{cfg.PRETRAIN.MAX_ITER} iterations each at batch {cfg.PRETRAIN.IMS_PER_BATCH}; {len(results)} done "
           f"(in the cache), {len(todo)} to run, --jobs {args.jobs}.", flush=True)  # fmt: skip
     if todo and not args.report_only:
-        seconds, basis = estimate(todo, list(results.values()), configs, args.jobs, args.estimate_steps)
-        print(f"Estimated wall time of the {len(todo)} cell(s) to run: {format_duration(seconds)} = the sum over "
-              f"cells of s/iter x {cfg.PRETRAIN.MAX_ITER} iterations, / {min(args.jobs, len(todo))} job(s) at once; "
-              "start-up, batch average and evaluations not included. s/iter per norm:", flush=True)  # fmt: skip
-        for norm, (per_iter, source) in basis.items():
-            print(f"  {norm}: {per_iter:.3f} s/iter ({source})", flush=True)
+        print_estimate(f"the {len(todo)} cell(s) to run", todo, results, configs, args)
+    try:
+        equal = plan_equal()
+    except ValueError as error:
+        raise SystemExit(f"pretrain_grid: error: {error}") from None
+    if equal is not None:
+        equal_todo = [cell for cell in equal[0].values() if cell not in collect(list(equal[0].values()))]
+        print(f"Trained to {args.target_top1:g} % (--equal-top1): {len(equal[0])} norm(s) with all cells done, "
+              f"{len(equal_todo)} to run; not reached by: {', '.join(equal[1]) or 'none'}.", flush=True)  # fmt: skip
+        if equal_todo and not args.report_only:
+            print_estimate("the equal-top-1 cell(s) to run", equal_todo, results, configs, args)
     if args.plan_only:
-        for cell in cells:
-            print(f"  {cell.name}: {'done' if cell in results else 'to run'} ({cached_backbone_folder(configs[cell])})")
+        for cell in cells + (list(equal[0].values()) if equal else []):
+            print(f"  {cell.name}: {'done' if cell in collect([cell]) else 'to run'} "
+                  f"({cached_backbone_folder(configs[cell])})")  # fmt: skip
         return 0
 
-    def write() -> dict:
-        return write_outputs(args.output_dir, description, cells, collect(), args.target_top1, args.publish)
-
     failed = []
-    if todo and not args.report_only:
-        failed = run_cells(todo, args.output_dir, os.path.abspath(args.config_file), list(args.opts), configs,
-                           args.jobs, after_each=write)  # fmt: skip
+    if not args.report_only:
+        run = functools.partial(run_cells, output_dir=args.output_dir, config_file=os.path.abspath(args.config_file),
+                                opts=list(args.opts), configs=configs, jobs=args.jobs, after_each=write)  # fmt: skip
+        failed += run(todo) if todo else []
+        equal = plan_equal()  # the norms the grid has just settled too
+        if equal is not None:
+            done = collect(list(equal[0].values()))
+            failed += run([cell for cell in equal[0].values() if cell not in done])
     best = write()
     logger.info("%d of %d cells done; results in %s; best settings (%s): %s", len(collect()), len(cells),
                 args.output_dir, BEST_FILE, best)  # fmt: skip
     if failed:
         logger.error("failed cells: %s", ", ".join(cell.name for cell in failed))
     return 1 if failed else 0
+
+
+def print_estimate(what: str, todo: Sequence[Cell], results: dict, configs: dict, args) -> None:
+    seconds, basis = estimate(todo, list(results.values()), configs, args.jobs, args.estimate_steps)
+    print(f"Estimated wall time of {what}: {format_duration(seconds)} = the sum over cells of s/iter x their "
+          f"iterations, / {min(args.jobs, len(todo))} job(s) at once; start-up, batch average and evaluations not "
+          "included. s/iter per norm:", flush=True)  # fmt: skip
+    for norm, (per_iter, source) in basis.items():
+        print(f"  {norm}: {per_iter:.3f} s/iter ({source})", flush=True)
 
 
 def cell_main(argv: Sequence[str]) -> int:

@@ -25,6 +25,9 @@ def add_pretrain_config(cfg: CN) -> None:
     cfg.PRETRAIN.CROP_AREA = (0.08, 1.0)  # random crops: fraction of the image's area
     cfg.PRETRAIN.IMS_PER_BATCH = 256  # over all processes
     cfg.PRETRAIN.MAX_ITER = 500500  # 100 epochs of ImageNet-1k at batch 256
+    # train the first STOP_ITER iterations of the MAX_ITER schedule only (0: all of them): the same run cut
+    # short, as a backbone trained to a given top-1 is made (tools/pretrain_grid.py --equal-top1)
+    cfg.PRETRAIN.STOP_ITER = 0
     cfg.PRETRAIN.BASE_LR = 0.1
     cfg.PRETRAIN.WARMUP_ITERS = 5000
     cfg.PRETRAIN.MOMENTUM = 0.9
@@ -56,6 +59,7 @@ PRETRAIN_KEY_RULES = {
     "CROP_AREA": Rule(_is_area_range, "(low, high) with 0 < low <= high <= 1"),
     "IMS_PER_BATCH": POSITIVE_INT,
     "MAX_ITER": POSITIVE_INT,
+    "STOP_ITER": _INT_AT_LEAST_0,
     "BASE_LR": NON_NEGATIVE,
     "WARMUP_ITERS": _INT_AT_LEAST_0,
     "MOMENTUM": Rule(lambda v: is_number(v) and 0 < v < 1, "a number in (0, 1) (Nesterov momentum)"),
@@ -78,3 +82,8 @@ def validate_pretrain_config(cfg: CN) -> None:
         value = cfg.PRETRAIN[name]
         if not is_valid(value):
             raise ValueError(f"PRETRAIN.{name}={value!r} is invalid: it must be {valid_values}")
+    if cfg.PRETRAIN.STOP_ITER > cfg.PRETRAIN.MAX_ITER:
+        raise ValueError(
+            f"PRETRAIN.STOP_ITER={cfg.PRETRAIN.STOP_ITER} is invalid: it must be 0 (the whole schedule) or at most "
+            f"PRETRAIN.MAX_ITER={cfg.PRETRAIN.MAX_ITER}"
+        )

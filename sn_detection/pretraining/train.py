@@ -4,7 +4,9 @@ iterations, metrics.json, periodic checkpoints, evaluation) and ``launch`` (K pr
 gloo on the CPU; several machines).
 
 The schedule is the usual one for ImageNet: SGD with Nesterov momentum, a linear warm-up from 0.1 % of
-PRETRAIN.BASE_LR over PRETRAIN.WARMUP_ITERS, then a cosine to 0 at PRETRAIN.MAX_ITER; weight decay on
+PRETRAIN.BASE_LR over PRETRAIN.WARMUP_ITERS, then a cosine to 0 at PRETRAIN.MAX_ITER (PRETRAIN.STOP_ITER
+k > 0 trains only its first k iterations: the same run cut short, the learning rate still that of the
+MAX_ITER schedule, then the batch average and the final evaluation as at its end); weight decay on
 the convolutions and the classifier's weight only (none on norms and biases; the gates of our norms have
 their own learning-rate factor, ``sn_detection.d2.optimizer``). PRETRAIN.IMS_PER_BATCH is the batch over
 all processes: large batches are the point of pretraining (BN, and SN's BN branch, see them), so each
@@ -95,6 +97,11 @@ def build_schedule(cfg: CfgNode, optimizer) -> LRMultiplier:
     return LRMultiplier(optimizer, multiplier, max_iter)
 
 
+def trained_iterations(cfg: CfgNode) -> int:
+    """How many iterations of the PRETRAIN.MAX_ITER schedule are trained: PRETRAIN.STOP_ITER, 0 for all."""
+    return cfg.PRETRAIN.STOP_ITER or cfg.PRETRAIN.MAX_ITER
+
+
 def build_trainer(cfg: CfgNode, model: torch.nn.Module, optimizer, data_loader=None) -> SimpleTrainer:
     """detectron2's trainer of one pretraining step, of ``model`` in DDP, in mixed precision with PRETRAIN.AMP."""
     return step_trainer(model, data_loader, optimizer, cfg.PRETRAIN.AMP, "PRETRAIN.AMP", broadcast_buffers=False)
@@ -151,6 +158,7 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
     """Pretrain the ResNet of ``cfg`` in this process (of ``comm.get_world_size()``); writes the outputs
     (module docstring) into ``output_dir`` (default PRETRAIN.OUTPUT_DIR) and returns the results."""
     output_dir = output_dir or cfg.PRETRAIN.OUTPUT_DIR
+    stop_iter = trained_iterations(cfg)
     os.makedirs(output_dir, exist_ok=True)
     folder = data_folder(cfg.PRETRAIN.DATA)
     size, area, image_format = cfg.PRETRAIN.IMAGE_SIZE, cfg.PRETRAIN.CROP_AREA, cfg.INPUT.FORMAT
@@ -178,7 +186,7 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
         hooks.PeriodicCheckpointer(checkpointer, cfg.PRETRAIN.CHECKPOINT_PERIOD) if main_process else None,
         evaluation,
         hooks.PeriodicWriter(
-            [CommonMetricPrinter(cfg.PRETRAIN.MAX_ITER), JSONWriter(os.path.join(output_dir, "metrics.json"))],
+            [CommonMetricPrinter(stop_iter), JSONWriter(os.path.join(output_dir, "metrics.json"))],
             period=LOG_PERIOD,
         ) if main_process else None,
     ], average))  # fmt: skip
@@ -186,23 +194,25 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
     if resume and checkpointer.has_checkpoint():
         checkpointer.resume_or_load("", resume=True)
         start_iter = trainer.iter + 1
-        check_resumed_iteration(start_iter, cfg.PRETRAIN.MAX_ITER, "PRETRAIN.MAX_ITER", output_dir)
+        check_resumed_iteration(start_iter, stop_iter, "PRETRAIN.STOP_ITER" if cfg.PRETRAIN.STOP_ITER else
+                                "PRETRAIN.MAX_ITER", output_dir)  # fmt: skip
     trainer.data_loader = train_loader(cfg, train_images, start_iter)
     logger.info(
         "Pretraining %s-%d with %s norms on %d images of %d classes (%s), %d px, %d per batch, iterations %d-%d, "
-        "on %s", "ResNet", cfg.MODEL.RESNETS.DEPTH, pretrained_norm(cfg), len(train_images),
-        len(train_images.classes), folder, size, cfg.PRETRAIN.IMS_PER_BATCH, start_iter, cfg.PRETRAIN.MAX_ITER,
-        cfg.MODEL.DEVICE,
+        "of a %d-iteration schedule, on %s", "ResNet", cfg.MODEL.RESNETS.DEPTH, pretrained_norm(cfg),
+        len(train_images), len(train_images.classes), folder, size, cfg.PRETRAIN.IMS_PER_BATCH, start_iter,
+        stop_iter, cfg.PRETRAIN.MAX_ITER, cfg.MODEL.DEVICE,
     )  # fmt: skip
     start = time.perf_counter()
-    trainer.train(start_iter, cfg.PRETRAIN.MAX_ITER)
+    trainer.train(start_iter, stop_iter)
     results = {
         "val_top1": evaluation.latest,
         "classes": len(train_images.classes),
         "data": folder,
         "depth": cfg.MODEL.RESNETS.DEPTH,
         "norm": pretrained_norm(cfg),
-        "iterations": cfg.PRETRAIN.MAX_ITER,
+        "iterations": stop_iter,
+        "schedule_iterations": cfg.PRETRAIN.MAX_ITER,
         "ims_per_batch": cfg.PRETRAIN.IMS_PER_BATCH,
         "processes": comm.get_world_size(),
         "train_seconds": round(time.perf_counter() - start, 1),
@@ -240,6 +250,8 @@ def pretrained_root() -> str:
 def cache_key(cfg: CfgNode) -> dict:
     """Everything that determines the pretrained backbone (module docstring)."""
     pretrain = {k: v for k, v in cfg.PRETRAIN.items() if k not in ("OUTPUT_DIR", "NUM_WORKERS", "EVAL_PERIOD", "CHECKPOINT_PERIOD")}
+    if trained_iterations(cfg) == cfg.PRETRAIN.MAX_ITER:  # the whole schedule, however it is written
+        del pretrain["STOP_ITER"]
     return {
         "recipe": RECIPE_VERSION,
         "resnets": dict(cfg.MODEL.RESNETS, NORM=pretrained_norm(cfg)),  # FrozenBN's backbone is BN's

@@ -39,6 +39,7 @@ OUT_OF_RANGE = [
     ("PRETRAIN.CROP_AREA", (0.08, 1.5), "(low, high) with 0 < low <= high <= 1"),
     ("PRETRAIN.IMS_PER_BATCH", 0, "an int >= 1"),
     ("PRETRAIN.MAX_ITER", 0, "an int >= 1"),
+    ("PRETRAIN.STOP_ITER", -1, "an int >= 0"),
     ("PRETRAIN.BASE_LR", -0.1, "a number >= 0"),
     ("PRETRAIN.WARMUP_ITERS", -1, "an int >= 0"),
     ("PRETRAIN.MOMENTUM", 1.0, "a number in (0, 1) (Nesterov momentum)"),

@@ -2,7 +2,8 @@
 asks for (so the grid's backbones are the sweep's); the top-1 curve and the iterations to a target; a tiny
 2 norms x 2 LR grid end to end (table with the best marked, best.json, a re-run skips done cells, a
 removed cell is redone, a killed cell resumes from its checkpoint), and best.json feeding
-compare_norms --finetune --backbones. The numbers of a few iterations mean nothing and are not checked."""
+compare_norms --finetune --backbones; --equal-top1 stopping each norm's best where its cell reached the
+target. The numbers of a few iterations mean nothing and are not checked."""
 
 import csv
 import json
@@ -16,7 +17,8 @@ from sn_detection.d2 import trainers
 from sn_detection.engine import compare_norms, pretrain_grid
 from sn_detection.engine.launch import load_cfg
 from sn_detection.engine.pretrain_grid import Cell, cell_cfg, iterations_to_reach, plan_cells, top1_curve
-from sn_detection.pretraining.train import cached_backbone_folder, cached_backbone_path, pretrain
+from sn_detection.pretraining import train as pretraining_train
+from sn_detection.pretraining.train import cached_backbone, cached_backbone_folder, cached_backbone_path, pretrain
 
 CONFIG = pretrain_grid.DEFAULT_CONFIG
 
@@ -40,6 +42,7 @@ def tiny_pretraining(data):
     (["--warmups", "-1"], "--warmups: -1 is invalid: each value must be an int >= 0"),
     (["--jobs", "0"], "--jobs must be >= 1, got 0"),
     (["--target-top1", "0"], "--target-top1 must be a top-1 in (0, 100] %"),
+    (["--equal-top1"], "--equal-top1 trains each norm to --target-top1 X: give X"),
     (["--publish", "/no/such/folder/grid.md"], "its folder /no/such/folder does not exist"),
 ])  # fmt: skip
 def test_bad_input_is_refused_before_anything_runs(arguments, problem, capsys):
@@ -224,3 +227,64 @@ def test_pretrainings_own_metrics_give_the_curve(tmp_path, tiny_classification_s
     results = pretrain(load_cfg(CONFIG, opts), output_dir=str(tmp_path))
     curve = top1_curve(str(tmp_path / "metrics.json"), 21)
     assert [iterations for iterations, _ in curve] == [20, 21] and curve[-1][1] == results["val_top1"]
+
+
+def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_path, monkeypatch, capsys,
+                                                                           tiny_classification_set):
+    monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    opts = [*tiny_pretraining(tiny_classification_set), "PRETRAIN.MAX_ITER", "21", "PRETRAIN.EVAL_PERIOD", "20",
+            "PRETRAIN.CHECKPOINT_PERIOD", "100", "PRETRAIN.BASE_LR", "0.01"]  # fmt: skip
+    cfg = load_cfg(CONFIG, opts)
+    grid_cell = Cell("GN", (("PRETRAIN.BASE_LR", 0.1),))
+    # the grid's only cell, made here with a known curve (30 % after 20 iterations, 40 % at the end): a cell
+    # in the cache is done, whoever made it
+    with monkeypatch.context() as patch:
+        values = iter([30.0, 40.0])
+        patch.setattr(pretraining_train, "top1", lambda *args: next(values))
+        cached_backbone(cell_cfg(cfg, grid_cell))
+    calls, call = [], subprocess.call
+    monkeypatch.setattr(pretrain_grid.subprocess, "call", lambda command, **kw: calls.append(command) or call(command, **kw))
+    output = tmp_path / "grid"
+
+    def grid(target):
+        options = ["--norms", "GN", "--lrs", "0.1", "--target-top1", str(target), "--equal-top1", "--output-dir",
+                   str(output), "--estimate-steps", "0", *opts]  # fmt: skip
+        assert pretrain_grid.main(options) == 0
+        equal = json.loads((output / "equal_top1.json").read_text())
+        return capsys.readouterr().out, (output / "results.md").read_text(), equal
+
+    # reached only at the end: the best cell itself, nothing runs
+    printed, table, equal = grid(35)
+    assert calls == [] and "Trained to 35 % (--equal-top1): 1 norm(s) with all cells done, 0 to run" in printed
+    assert equal == {"GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_ITER": 21}}
+    assert "| GN | LR 0.1 | 21 | 40.00 % | 40.00 % |" in table
+
+    # reached after 20 iterations: the same run stopped there, in a cell of its own
+    printed, table, equal = grid(25)
+    assert "1 norm(s) with all cells done, 1 to run" in printed
+    work_dirs = [command[command.index("--work-dir") + 1] for command in calls]
+    assert work_dirs == [str(output / "cells" / "GN-lr0.1-stop20" / "training")]
+    assert equal == {"GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_ITER": 20}}
+    stopped = cell_cfg(cfg, Cell("GN", tuple(equal["GN"].items())))
+    with open(os.path.join(cached_backbone_folder(stopped), "results.json")) as f:
+        results = json.load(f)
+    assert results["iterations"] == 20 and results["schedule_iterations"] == 21
+    assert f"| GN | LR 0.1 | 20 | 30.00 % | {results['val_top1']:.2f} % |" in table
+    calls.clear()
+    assert "0 to run" in grid(25)[0] and calls == []
+
+    # not reached
+    printed, table, equal = grid(50)
+    assert "not reached by: GN" in printed and equal == {}
+    assert "| GN | LR 0.1 | not reached in 21 | best 40.00 % |" in table
+
+    # equal_top1.json feeds compare_norms --finetune --backbones as best.json does
+    grid(25)
+    planned = {}
+    original = compare_norms.plan_runs
+    monkeypatch.setattr(compare_norms, "plan_runs", lambda *a, **kw: planned.update(backbones=a[8]) or original(*a, **kw))
+    sweep = ["--finetune", "--backbones", str(output / "equal_top1.json"), "--settings", "GN", "--report-only",
+             "--output-dir", str(tmp_path / "sweep"), *opts]  # fmt: skip
+    assert compare_norms.main(sweep) == 0
+    assert planned["backbones"] == {"GN": cached_backbone_path(stopped)}

@@ -28,6 +28,17 @@ def test_a_bad_value_fails_in_both_validations():
             validate(cfg)
 
 
+def test_a_stop_past_the_schedule_is_refused():
+    cfg = get_cfg()
+    add_sn_config(cfg)
+    cfg.PRETRAIN.MAX_ITER, cfg.PRETRAIN.STOP_ITER = 100, 101
+    with pytest.raises(ValueError, match=r"PRETRAIN.STOP_ITER=101 is invalid: it must be 0 \(the whole schedule\) or "
+                                         r"at most PRETRAIN.MAX_ITER=100"):  # fmt: skip
+        validate_pretrain_config(cfg)
+    cfg.PRETRAIN.STOP_ITER = 100
+    validate_pretrain_config(cfg)
+
+
 def test_a_config_without_the_keys_is_refused_with_the_call_that_adds_them():
     with pytest.raises(ValueError, match=r"no PRETRAIN: call sn_detection.d2.add_sn_config\(cfg\)"):
         validate_pretrain_config(get_cfg())

@@ -98,6 +98,38 @@ def test_a_resumed_pretraining_equals_an_uninterrupted_one(tiny_classification_s
     assert all(torch.equal(torch.as_tensor(first[key]), torch.as_tensor(second[key])) for key in first)
 
 
+def test_a_stopped_pretraining_is_the_beginning_of_the_whole_run(tiny_classification_set, tmp_path):
+    """PRETRAIN.STOP_ITER k trains the first k iterations of the PRETRAIN.MAX_ITER run, on that run's schedule,
+    then batch-averages and evaluates; stopping at the end is the whole run, under the same cache key."""
+    pretrain(tiny_cfg(tiny_classification_set, tmp_path / "whole"))  # 4 iterations, a checkpoint every 2
+    stopped_cfg = tiny_cfg(tiny_classification_set, tmp_path / "stopped", "PRETRAIN.STOP_ITER", 2)
+    results = pretrain(stopped_cfg)
+    assert results["iterations"] == 2 and results["schedule_iterations"] == 4
+    assert not (tmp_path / "stopped" / "model_0000003.pth").exists()
+    with open(tmp_path / "stopped" / "metrics.json") as f:
+        assert max(json.loads(line)["iteration"] for line in f) == 2  # the final evaluation, after 2 iterations
+    # after 2 iterations: the whole run's weights and learning rates (a 2-iteration schedule's differ); the
+    # running statistics of the stopped run's last checkpoint are its batch average (taken before the last
+    # checkpoint, where detectron2 places PreciseBN)
+    whole, stopped = (torch.load(tmp_path / run / "model_0000001.pth", map_location="cpu", weights_only=False)
+                      for run in ("whole", "stopped"))  # fmt: skip
+    assert whole["model"].keys() == stopped["model"].keys()
+    differ = [key for key in whole["model"] if not torch.equal(whole["model"][key], stopped["model"][key])]
+    assert differ and all(key.endswith((".running_mean", ".running_var")) for key in differ), differ
+    learning_rates = [[group["lr"] for group in run["trainer"]["optimizer"]["param_groups"]] for run in (whole, stopped)]
+    assert learning_rates[0] == learning_rates[1]
+    pretrain(tiny_cfg(tiny_classification_set, tmp_path / "short", "PRETRAIN.MAX_ITER", 2))
+    short = torch.load(tmp_path / "short" / "model_0000001.pth", map_location="cpu", weights_only=False)
+    assert [group["lr"] for group in short["trainer"]["optimizer"]["param_groups"]] != learning_rates[0]
+
+    key = pretraining_train.cache_key
+    whole_key = key(tiny_cfg(tiny_classification_set, tmp_path))
+    assert key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.STOP_ITER", 4)) == whole_key
+    assert key(stopped_cfg) != whole_key
+    with pytest.raises(ValueError, match="is at iteration 1, past PRETRAIN.STOP_ITER=1: raise PRETRAIN.STOP_ITER"):
+        pretrain(tiny_cfg(tiny_classification_set, tmp_path / "stopped", "PRETRAIN.STOP_ITER", 1), resume=True)
+
+
 def run_tool(*args, succeeds=True, env=None):
     result = subprocess.run(
         [sys.executable, os.path.join(REPO, "tools", "pretrain_backbone.py"), "--config-file",
