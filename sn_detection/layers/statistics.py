@@ -167,8 +167,8 @@ class MomentNormalizer(NormBase):
         kernels = self.fused_statistics(x) if x.numel() > 0 else None
         if kernels is not None:
             replay = functools.partial(reference_normalize_by_moments, affine=affine)
-            return fused.normalize(x, kernels, tuple(self.parameters()), replay)
-        return normalize_by_moments(x, affine, tuple(self.parameters()))
+            return fused.normalize(x, kernels, self.parameter_tuple(), replay)
+        return normalize_by_moments(x, affine, self.parameter_tuple())
 
     @torch.jit.unused
     def fused_statistics(self, x: Tensor) -> Optional["fused.FusedStatistics"]:

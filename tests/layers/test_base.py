@@ -219,3 +219,12 @@ def test_every_layer_freezes_and_stays_in_evaluation(name):
     assert layer.frozen and not layer.training
     layer.requires_grad_(True)
     assert not layer.frozen and layer.train().training
+
+
+@pytest.mark.parametrize("name, channels, options, identity, version, entries, sums", CASES)
+def test_the_parameter_tuple_is_the_layers_parameters(name, channels, options, identity, version, entries, sums):
+    """What a layer call hands its autograd node; MGN's and MN's gates are a submodule's parameters."""
+    layer = build_norm(name, channels, **options)
+    assert layer.parameter_tuple() == tuple(layer.parameters()) and layer.parameter_tuple()
+    layer.weight = None  # a parameter set to None is no parameter, in either
+    assert layer.parameter_tuple() == tuple(layer.parameters())
