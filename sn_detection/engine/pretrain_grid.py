@@ -237,8 +237,9 @@ def cell_result(output_dir: str, cell: Cell, cfg: CfgNode, target: Optional[floa
         return None
     cache = cached_backbone_folder(cfg)
     results = read_json(os.path.join(cache, RESULTS_FILE))
-    record = read_json(os.path.join(cell_folder(output_dir, cell), CELL_RECORD))
-    attempts = record["attempts"] if record else []
+    folder = cell_folder(output_dir, cell)
+    record = read_json(os.path.join(folder, CELL_RECORD))
+    attempts = close_interrupted_attempts(record, os.path.join(folder, CELL_LOG))["attempts"] if record else []
     curve = top1_curve(os.path.join(cache, METRICS_FILE), results["iterations"])
     result = {
         "norm": cell.norm,
@@ -350,21 +351,34 @@ def cell_command(config_file: str, opts: Sequence[str], cell: Cell, folder: str,
     ]  # fmt: skip
 
 
+def close_interrupted_attempts(record: dict, log_path: str) -> dict:
+    """Attempts that never saw their end (the grid was killed with them) ended at the cell log's last
+    change, where their output stopped: their wall time is counted up to there."""
+    for attempt in record["attempts"]:
+        if attempt["wall_s"] is None:
+            ended = os.path.getmtime(log_path) if os.path.isfile(log_path) else attempt["started"]
+            attempt.update(wall_s=round(max(0.0, ended - attempt["started"]), 1), interrupted=True)
+    return record
+
+
 def execute_cell(command: list[str], folder: str, cell: Cell, cache_folder: str, jobs: int) -> bool:
-    """Run (or resume) one cell in a subprocess, its output into the cell folder's log; every attempt
-    is recorded. Returns whether its backbone is in the cache."""
-    path = os.path.join(folder, CELL_RECORD)
+    """Run (or resume) one cell in a subprocess, its output into the cell folder's log; every attempt is
+    recorded as it starts, so that one cut off with the grid still counts. Returns whether its backbone
+    is in the cache."""
+    path, log_path = os.path.join(folder, CELL_RECORD), os.path.join(folder, CELL_LOG)
     record = read_json(path) or {"norm": cell.norm, "overrides": dict(cell.overrides), "cache_folder": cache_folder,
                                  "attempts": []}  # fmt: skip
-    resumed = has_checkpoint(os.path.join(folder, WORK_FOLDER))
+    close_interrupted_attempts(record, log_path)
+    attempt = {"started": round(time.time(), 1), "wall_s": None, "returncode": None,
+               "resumed": has_checkpoint(os.path.join(folder, WORK_FOLDER))}  # fmt: skip
+    record["attempts"].append(attempt)
     write_json(path, record)
     start, returncode = time.perf_counter(), None
     try:
-        with open(os.path.join(folder, CELL_LOG), "a") as log:
+        with open(log_path, "a") as log:
             returncode = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=child_environment(jobs))
     finally:
-        record["attempts"].append({"wall_s": round(time.perf_counter() - start, 1), "returncode": returncode,
-                                   "resumed": resumed})  # fmt: skip
+        attempt.update(wall_s=round(time.perf_counter() - start, 1), returncode=returncode)
         write_json(path, record)
     return returncode == 0
 

@@ -190,6 +190,12 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
         patch.setattr(trainers, "SimpleTrainer", InterruptedTrainer)
         with pytest.raises(Interrupted):
             pretrain(cell_cfg(cfg, killed), output_dir=str(output / "cells" / killed.name / "training"))
+    # and before that, a grid was killed with that cell: its attempt never saw its end
+    record_path = output / "cells" / killed.name / "cell.json"
+    record = json.loads(record_path.read_text())
+    log_changed = os.path.getmtime(output / "cells" / killed.name / "pretrain.log")
+    record["attempts"].append({"started": log_changed - 12.5, "wall_s": None, "returncode": None, "resumed": False})
+    record_path.write_text(json.dumps(record))
     calls.clear()
     assert pretrain_grid.main([*options, "--estimate-steps", "0", *tiny_pretraining(tiny_classification_set)]) == 0
     printed = capsys.readouterr().out
@@ -199,7 +205,10 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
     ]
     records = {cell.name: json.loads((output / "cells" / cell.name / "cell.json").read_text()) for cell in (redone, killed)}
     assert [a["resumed"] for a in records["BN-lr0.1"]["attempts"]] == [False, False]
-    assert [a["resumed"] for a in records["GN-lr0.2"]["attempts"]] == [False, True]
+    assert [a["resumed"] for a in records["GN-lr0.2"]["attempts"]] == [False, False, True]
+    cut_off = records["GN-lr0.2"]["attempts"][1]
+    assert cut_off["interrupted"] and cut_off["wall_s"] == 12.5  # up to its output's end, the log's last change
+    assert all(a["wall_s"] > 0 and a["returncode"] == 0 for a in records["GN-lr0.2"]["attempts"][::2])
     assert "iterations 2-3" in (output / "cells" / killed.name / "pretrain.log").read_text()
 
     # the same output folder with another budget is refused before anything runs
