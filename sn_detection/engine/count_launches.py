@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -29,8 +30,10 @@ def host_times(device: torch.device, rounds: int, shape=(2, 256, 6, 6), steps: i
     """Per layer (torch's GroupNorm(32), then every name of ``build_norm``): seconds of one training forward +
     backward (gradients set to None first), averaged over ``steps``, with the Triton launches skipped
     (``launches.skipped_launches``; torch's GroupNorm runs whole), as ``timing.ratio_to`` summarises
-    ``rounds`` interleaved rounds, on one intra-op thread. What the layers compute is meaningless (no
-    kernel runs): each is a copy built for this."""
+    ``rounds`` interleaved rounds, on one intra-op thread. On the CPU the seconds are this process's CPU
+    time, the host's work whatever else the machine runs; on CUDA wall time with the device synchronised
+    around each round's steps. What the layers compute is meaningless (no kernel runs): each is a copy
+    built for this."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=generator).to(device).requires_grad_()
     grad_y = torch.randn(shape, generator=generator).to(device)
@@ -47,7 +50,11 @@ def host_times(device: torch.device, rounds: int, shape=(2, 256, 6, 6), steps: i
                 x.grad = None
                 layer(x).backward(grad_y)
 
-        return device_seconds(run, device) / steps
+        if device.type == "cuda":
+            return device_seconds(run, device) / steps
+        start = time.process_time()
+        run()
+        return (time.process_time() - start) / steps
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -86,7 +93,9 @@ def main(argv: Optional[Sequence[str]] = None):
         print(line + (f" {row['train_kernels_profiled']:16}" if profiled else ""))
     if args.host_time:
         times = host_times(device, args.rounds)
-        print(f"\nhost time of a training step with the Triton launches skipped (torch GN whole), {args.rounds} rounds:")
+        clock = "wall time" if device.type == "cuda" else "CPU time"
+        print(f"\nhost time ({clock}) of a training step with the Triton launches skipped (torch GN whole), "
+              f"{args.rounds} rounds:")  # fmt: skip
         for label, timed in times.items():
             print(f"{label:13} {timed['seconds'] * 1e6:8.0f} us {timed['ratio']:6.2f}x torch GN(32) "
                   f"({range_text(timed['ratio_range'])})")
