@@ -150,12 +150,16 @@ class NormBase(nn.Module):
         return not any(p.requires_grad for p in self.parameter_tuple())
 
     def parameter_tuple(self) -> tuple[Tensor, ...]:
-        """``tuple(self.parameters())``, read from the layer's own parameter dict when it has no submodules:
-        the same tensors in the same order without ``nn.Module``'s generators, which cost a layer call a
-        measurable share of its host time (``tools/count_launches.py --host-time``)."""
-        if self._modules:
+        """``tuple(self.parameters())``, read from the parameter dicts of the layer and of its submodules (MN's
+        and MGN's gate) when those have none of their own: the same tensors in the same order without
+        ``nn.Module``'s generators, which cost a layer call a measurable share of its host time
+        (``tools/count_launches.py --host-time``)."""
+        if not self._modules:
+            return tuple(p for p in self._parameters.values() if p is not None)
+        modules = [module for module in self._modules.values() if module is not None]
+        if any(module._modules for module in modules):
             return tuple(self.parameters())
-        return tuple(p for p in self._parameters.values() if p is not None)
+        return tuple(p for module in (self, *modules) for p in module._parameters.values() if p is not None)
 
     def freeze(self) -> nn.Module:
         """Fix the parameters, and so the running statistics, for good (see the module docstring)."""
