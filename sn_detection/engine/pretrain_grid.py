@@ -36,13 +36,14 @@ cell). FrozenBN is pretrained as BN (``pretrained_norm``), so it is the BN cell.
   val top-1 reached X, from the same runs. It does not train anything further: a cell whose runs never
   reach X within the budget shows "not reached", and the iteration is only as fine as EVAL_PERIOD (the
   end of training is always evaluated).
-- **Equal top-1** (``--equal-top1``, with ``--target-top1 X``): once a norm's cells are all done, its best
-  setting is trained again in a cell of its own, stopped by PRETRAIN.STOP_ITER at the first evaluated
-  iteration at which the grid cell reached X: the same run cut short (the same seed, data stream and
-  schedule of PRETRAIN.MAX_ITER), then batch-averaged and evaluated as every cell is, into the cache. So
-  every norm gets a backbone of about X % top-1, and the iterations it needed are a finding of their own.
-  X should be at most the lowest best, so that every norm reaches it; a norm whose best never did is
-  reported as not reached. A stop at the end of the schedule is the best cell itself.
+- **Equal top-1** (``--equal-top1``): once a norm's cells are all done, its best setting is trained again
+  in a cell of its own, stopped by PRETRAIN.STOP_ITER at the first evaluated iteration at which the grid
+  cell reached X: the same run cut short (the same seed, data stream and schedule of PRETRAIN.MAX_ITER),
+  then batch-averaged and evaluated as every cell is, into the cache. So every norm gets a backbone of
+  about X % top-1, and the iterations it needed are a finding of their own. X is ``--target-top1``, by
+  default the lowest of the norms' best top-1 rounded down to a whole percent (known once every cell is
+  done), so that every norm reaches it; a norm whose best never did is reported as not reached. A stop
+  at the end of the schedule is the best cell itself.
 - **Outputs** in OUTPUT_DIR: ``results.md`` (top-1 per norm x setting with wall times, each norm's best
   setting by val top-1 in bold, then a row per cell), ``results.csv``, ``results.json`` (with the
   curves), and ``best.json``, ``{norm: {PRETRAIN key: value}}``: each norm's best setting, for norms
@@ -273,6 +274,15 @@ def settled_best_cells(cells: Sequence[Cell], results: dict) -> dict[str, dict]:
     best = best_cells([results[cell] for cell in cells if cell in results])
     return {norm: result for norm, result in best.items()
             if all(cell in results for cell in cells if cell.norm == norm)}  # fmt: skip
+
+
+def lowest_best_top1(cells: Sequence[Cell], results: dict, norms: int) -> Optional[float]:
+    """``--equal-top1``'s default target: the lowest of the norms' best val top-1, rounded down to a whole
+    percent, so that every norm reaches it; None until all ``norms`` are settled."""
+    settled = settled_best_cells(cells, results)
+    if len(settled) < norms:
+        return None
+    return float(math.floor(min(result["val_top1"] for result in settled.values())))
 
 
 def equal_top1_cells(cells: Sequence[Cell], results: dict, target: float) -> tuple[dict[str, Cell], list[str]]:
@@ -549,7 +559,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="report the first evaluated iteration at which val top-1 reached X %%")  # fmt: skip
     parser.add_argument("--equal-top1", action="store_true",
                         help="then train each norm's best setting again, stopped where its grid cell first reached "
-                        "--target-top1 (PRETRAIN.STOP_ITER), and write equal_top1.json for compare_norms")  # fmt: skip
+                        "--target-top1 (default: the lowest best top-1, rounded down to a whole percent, once every "
+                        "norm's cells are done; PRETRAIN.STOP_ITER), and write equal_top1.json for compare_norms")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
                         help="cells at once, the threads split between them (default: 1)")  # fmt: skip
     parser.add_argument("--estimate-steps", type=int, default=DEFAULT_ESTIMATE_STEPS, metavar="K",
@@ -567,9 +578,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(f"--estimate-steps must be >= 0, got {args.estimate_steps}")
     if args.target_top1 is not None and not 0 < args.target_top1 <= 100:
         parser.error(f"--target-top1 must be a top-1 in (0, 100] %, got {args.target_top1}")
-    if args.equal_top1 and args.target_top1 is None:
-        parser.error("--equal-top1 trains each norm to --target-top1 X: give X (at most the lowest best top-1, so "
-                     "that every norm reaches it)")  # fmt: skip
     if not os.path.isfile(args.config_file):
         parser.error(f"--config-file {args.config_file}: no such file")
     try:
@@ -612,7 +620,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_cell_folders(args.output_dir, cells, configs)
     except ValueError as error:
         raise SystemExit(f"pretrain_grid: error: {error}") from None
-    description = describe(cfg, args.config_file, cells, args.target_top1)
 
     def collect(extra: Sequence[Cell] = ()) -> dict:
         for cell in extra:
@@ -621,8 +628,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return {cell: result for cell, result in found.items() if result is not None}
 
     def plan_equal() -> Optional[tuple[dict[str, Cell], list[str]]]:
-        """The --equal-top1 cells of the norms settled so far (their configs checked), or None."""
-        if not args.equal_top1:
+        """The --equal-top1 cells of the norms settled so far (their configs checked), or None (no
+        --equal-top1, or its target still unknown)."""
+        if args.equal_top1 and args.target_top1 is None:
+            args.target_top1 = lowest_best_top1(cells, collect(), len(args.norms))
+        if not args.equal_top1 or args.target_top1 is None:
             return None
         equal = equal_top1_cells(cells, collect(), args.target_top1)
         planned = list(equal[0].values())
@@ -633,6 +643,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def write() -> dict:
         equal = plan_equal()
         results = collect(list(equal[0].values()) if equal else ())
+        description = describe(cfg, args.config_file, cells, args.target_top1)
         return write_outputs(args.output_dir, description, cells, results, args.target_top1, args.publish, equal)
 
     results = collect()
@@ -647,6 +658,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         equal = plan_equal()
     except ValueError as error:
         raise SystemExit(f"pretrain_grid: error: {error}") from None
+    if args.equal_top1 and equal is None:
+        print("Trained to the lowest best top-1 (--equal-top1): that target is known once every norm's cells are "
+              "done.", flush=True)  # fmt: skip
     if equal is not None:
         equal_todo = [cell for cell in equal[0].values() if cell not in collect(list(equal[0].values()))]
         print(f"Trained to {args.target_top1:g} % (--equal-top1): {len(equal[0])} norm(s) with all cells done, "

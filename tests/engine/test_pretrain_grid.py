@@ -42,7 +42,6 @@ def tiny_pretraining(data):
     (["--warmups", "-1"], "--warmups: -1 is invalid: each value must be an int >= 0"),
     (["--jobs", "0"], "--jobs must be >= 1, got 0"),
     (["--target-top1", "0"], "--target-top1 must be a top-1 in (0, 100] %"),
-    (["--equal-top1"], "--equal-top1 trains each norm to --target-top1 X: give X"),
     (["--publish", "/no/such/folder/grid.md"], "its folder /no/such/folder does not exist"),
 ])  # fmt: skip
 def test_bad_input_is_refused_before_anything_runs(arguments, problem, capsys):
@@ -287,6 +286,20 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     printed, table, equal = grid(50)
     assert "not reached by: GN" in printed and equal == {}
     assert "| GN | LR 0.1 | not reached in 21 | best 40.00 % |" in table
+
+    # without --target-top1: the lowest best, rounded down, once every norm's cells are done
+    two_norms = ["--norms", "GN,BN", "--lrs", "0.1", "--equal-top1", "--output-dir", str(output), "--estimate-steps",
+                 "0", "--plan-only", *opts]  # fmt: skip
+    assert pretrain_grid.main(two_norms) == 0
+    assert "that target is known once every norm's cells are done" in capsys.readouterr().out
+    with monkeypatch.context() as patch:
+        values = iter([50.0, 52.5])
+        patch.setattr(pretraining_train, "top1", lambda *args: next(values))
+        cached_backbone(cell_cfg(cfg, Cell("BN", (("PRETRAIN.BASE_LR", 0.1),))))
+    assert pretrain_grid.main(two_norms) == 0
+    printed = capsys.readouterr().out  # GN reached 40 % at the end (its best itself), BN after 20 iterations
+    assert "Trained to 40 % (--equal-top1): 2 norm(s) with all cells done, 1 to run" in printed
+    assert "  BN-lr0.1-stop20: to run" in printed and "  GN-lr0.1-stop21: done" in printed
 
     # equal_top1.json feeds compare_norms --finetune --backbones as best.json does
     grid(25)
