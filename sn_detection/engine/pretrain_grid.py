@@ -2,7 +2,7 @@
 each norm can be finetuned from its own best backbone instead of from one recipe tuned for one norm.
 
     tools/pretrain_grid.py [--config-file CFG] [--norms BN,GN,SN,DN,MGN] [--lrs 0.05,0.1,0.2,0.4]
-        [--warmups 0,40] [--target-top1 X [--equal-top1]] [--jobs N] [--output-dir DIR] [--publish FILE]
+        [--warmups 0,40] [--target-top1 X] [--equal-top1] [--jobs N] [--output-dir DIR] [--publish FILE]
         [--plan-only | --report-only] [KEY VALUE ...]
 
 A **cell** is a norm and a setting (PRETRAIN.BASE_LR, and PRETRAIN.WARMUP_ITERS with ``--warmups``):
