@@ -91,7 +91,7 @@ import torch
 from torch import Tensor
 
 from .fused import written_in_place
-from .triton_kernels import cdiv, launch, next_pow2, tl, triton
+from .triton_kernels import MapPasses, cdiv, launch, next_pow2, tl, triton
 
 _MAX_CHUNK = 1024  # channels of one tile of the per-sample kernels
 _TILE = 2048  # elements of one [BLOCK_N, BLOCK_C] tile
@@ -390,6 +390,7 @@ class DynamicKernels:
 
     def __init__(self, layer, x: Tensor):
         self.layer = layer
+        self.passes = MapPasses(x)
         n, c, h, w = x.shape
         self.spatial = h * w
         self.training = layer.training

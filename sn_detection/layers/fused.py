@@ -35,12 +35,16 @@ from typing import Optional, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from . import passes
 from .running import replaying
 
 
 class FusedStatistics(Protocol):
-    """A layer's fused (N, C) kernels for one call: made by the layer's ``fused_statistics(x)``."""
+    """A layer's fused (N, C) kernels for one call: made by the layer's ``fused_statistics(x)``, which
+    decides the call's path once. ``passes`` are the full-size passes over x on that path
+    (``triton_kernels.MapPasses`` with Triton kernels, ``passes.TorchPasses`` with closed forms as tensor
+    operations), for the forward and the backward alike."""
+
+    passes: object
 
     def forward(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
         """(scale, shift) of the output (x - mean) * scale + shift from the IN moments (N, C), and the
@@ -65,8 +69,8 @@ def normalize(x: Tensor, kernels: FusedStatistics, parameters: Sequence[Tensor],
     ``replay(x)`` is the layer's plain differentiable computation, for a backward with create_graph."""
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in parameters)):
         return _FusedNormalize.apply(x, kernels, replay, *parameters)
-    with torch.no_grad():  # the passes' fused forms (passes), as in the autograd node
-        over = passes.over(x)
+    with torch.no_grad():  # as in the autograd node
+        over = kernels.passes
         mean, var = over.moments(x)
         scale, shift, _ = kernels.forward(mean, var)
         return over.scale_shift(x, scale, shift, mean)
@@ -75,7 +79,7 @@ def normalize(x: Tensor, kernels: FusedStatistics, parameters: Sequence[Tensor],
 class _FusedNormalize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, kernels: FusedStatistics, replay, *parameters: Tensor):
-        over = passes.over(x)  # the passes of this call, forward and backward
+        over = kernels.passes  # the passes of this call, forward and backward
         mean, var = over.moments(x)
         scale, shift, saved = kernels.forward(mean, var)
         ctx.save_for_backward(x, mean, var, *saved, *parameters)

@@ -108,7 +108,7 @@ import torch
 from torch import Tensor
 
 from .fused import written_in_place
-from .triton_kernels import cdiv, launch, next_pow2, tl, triton
+from .triton_kernels import MapPasses, cdiv, launch, next_pow2, tl, triton
 
 MAX_MODES = 16
 _TILE = 4096  # elements of one [BLOCK_N, BLOCK_C, BLOCK_K] tile
@@ -570,6 +570,7 @@ class ModeKernels:
 
     def __init__(self, layer, x: Tensor, min_mode_weight: float):
         self.layer = layer
+        self.passes = MapPasses(x)
         n, c, h, w = x.shape
         self.spatial = h * w
         self.batch_stats = layer.training
@@ -625,6 +626,7 @@ class ModeGroupKernels:
 
     def __init__(self, layer, x: Tensor):
         self.layer = layer
+        self.passes = MapPasses(x)
         n, c, h, w = x.shape
         self.spatial = h * w
 

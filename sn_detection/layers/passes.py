@@ -89,9 +89,9 @@ class TorchPasses:
 
 
 def over(x: Tensor):
-    """The passes for x and every tensor of its shape and layout in one layer call (x, grad_y): the Triton
-    kernels' (``triton_kernels.MapPasses``, x checked once) where ``uses_triton(x)``, else PyTorch's. A
-    layer decides once per call, in its forward, and runs its backward's passes through the same."""
+    """The passes for x and every tensor of its shape and layout in one call (x, grad_y): the Triton
+    kernels' (``triton_kernels.MapPasses``, x checked once) where ``uses_triton(x)``, else PyTorch's. (A
+    layer's fused path takes them from its kernels, which decided its path: ``fused.FusedStatistics``.)"""
     return triton_kernels.MapPasses(x) if uses_triton(x) else TorchPasses
 
 

@@ -56,7 +56,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .fused import written_in_place
-from .triton_kernels import cdiv, launch, next_pow2, tl, triton
+from .passes import TorchPasses
+from .triton_kernels import MapPasses, cdiv, launch, next_pow2, tl, triton
 
 _TILE = 2048  # elements of one [BLOCK_N, BLOCK_C] tile
 _MAX_BLOCK_C = 64
@@ -387,6 +388,7 @@ class SwitchableKernels:
 
     def __init__(self, layer, x: Tensor, pooled: bool = False):
         self.layer = layer
+        self.passes = MapPasses(x)
         n, c, h, w = x.shape
         self.spatial = h * w
         training = layer.training and layer.use_bn
@@ -454,6 +456,7 @@ class SwitchableClosedForms:
 
     def __init__(self, layer, x: Tensor):
         self.layer = layer
+        self.passes = TorchPasses
         n, _, h, w = x.shape
         self.spatial = h * w
         self.batch_stats = layer.training and layer.use_bn
