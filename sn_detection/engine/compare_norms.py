@@ -399,7 +399,7 @@ def describe(cfg, config_file: str, runs: Sequence[RunSpec], backbones: Optional
             path, best = backbones
             chosen = "; ".join(f"{norm}: " + ", ".join(f"{key} {value}" for key, value in overrides.items())
                                for norm, overrides in best.items())  # fmt: skip
-            init += f", each norm with its best PRETRAIN setting of `{path}` (`tools/pretrain_grid.py`: {chosen})"
+            init += f", each norm with its PRETRAIN setting in `{path}` (`tools/pretrain_grid.py`: {chosen})"
     return (
         f"### Norm settings compared on this machine (`{tool}`, measured here)\n\n"
         f"Mask R-CNN R{cfg.MODEL.RESNETS.DEPTH}-FPN (`{config}`: {cfg.INPUT.MIN_SIZE_TEST} px inputs, FPN and "
