@@ -19,16 +19,24 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 def run_processes(function, args, nprocs, timeout=120):
     """``function(rank, *args)`` in ``nprocs`` processes that share one gloo group (the default process
-    group). An exception in one is raised here. Processes still running after ``timeout`` seconds are
-    killed and fail the test with every thread's stack in each, so that a mismatched or hung collective
-    fails one test, saying where, instead of stalling the suite."""
+    group). An exception in one is raised here with its traceback, whichever process the other ranks'
+    consequent errors (a peer gone from a collective) reach torch's join first. Processes still running
+    after ``timeout`` seconds are killed and fail the test with every thread's stack in each, so that a
+    mismatched or hung collective fails one test, saying where, instead of stalling the suite."""
     with tempfile.TemporaryDirectory() as directory:
         workers = mp.spawn(_rank_main, args=(function, args, nprocs, directory), nprocs=nprocs, join=False)
         deadline = time.monotonic() + timeout
-        while not workers.join(timeout=1):
-            if time.monotonic() > deadline:
-                stacks = _stacks_and_kill(workers.processes, directory)
-                pytest.fail(f"{nprocs} processes running {function.__name__} did not finish in {timeout} s\n{stacks}")
+        try:
+            while not workers.join(timeout=1):
+                if time.monotonic() > deadline:
+                    stacks = _stacks_and_kill(workers.processes, directory)
+                    pytest.fail(f"{nprocs} processes running {function.__name__} did not finish in {timeout} s\n{stacks}")
+        except mp.ProcessRaisedException as error:
+            failures = [f"rank {rank}: {text}" for rank in range(nprocs) if (text := _read(_error_file(directory, rank)))]
+            if failures:
+                raise RuntimeError(f"{function.__name__} failed in {len(failures)} of {nprocs} processes:\n"
+                                   + "\n".join(failures)) from error  # fmt: skip
+            raise
 
 
 def _rank_main(rank, function, args, world_size, directory):
@@ -40,7 +48,10 @@ def _rank_main(rank, function, args, world_size, directory):
     try:
         function(rank, *args)
     except BaseException:
-        # printed now: the process may not get to report it (it is killed if another rank hangs)
+        # printed now: the process may not get to report it (it is killed if another rank hangs); and
+        # written for run_processes before this process leaves, which is when its peers fail too
+        with open(_error_file(directory, rank), "w") as error:
+            error.write(traceback.format_exc())
         traceback.print_exc()
         raise
     dist.barrier()  # no process leaves while another still talks to it
@@ -71,9 +82,17 @@ def _stacks_and_kill(processes, directory, wait=10):
     return "\n".join(f"rank {rank}:\n{_read_stacks(directory, rank) or 'no stack: still starting'}" for rank in alive)
 
 
-def _read_stacks(directory, rank):
+def _error_file(directory, rank):
+    return os.path.join(directory, f"error{rank}.txt")
+
+
+def _read(path):
     try:
-        with open(_stacks_file(directory, rank)) as stacks:
-            return stacks.read()
+        with open(path) as f:
+            return f.read()
     except FileNotFoundError:
         return ""
+
+
+def _read_stacks(directory, rank):
+    return _read(_stacks_file(directory, rank))
