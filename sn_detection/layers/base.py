@@ -151,8 +151,8 @@ class NormBase(nn.Module):
 
     def parameter_tuple(self) -> tuple[Tensor, ...]:
         """``tuple(self.parameters())``, read from the parameter dicts of the layer and of its submodules (MN's
-        and MGN's gate) when those have none of their own: the same tensors in the same order without
-        ``nn.Module``'s generators, which cost a layer call a measurable share of its host time
+        and MGN's gate) where no submodule has submodules of its own: the same tensors in the same order
+        without ``nn.Module``'s generators, which cost a layer call a measurable share of its host time
         (``tools/count_launches.py --host-time``)."""
         if not self._modules:
             return tuple(p for p in self._parameters.values() if p is not None)
