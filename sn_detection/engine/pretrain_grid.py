@@ -630,13 +630,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def plan_equal() -> Optional[tuple[dict[str, Cell], list[str]]]:
         """The --equal-top1 cells of the norms settled so far (their configs checked), or None (no
         --equal-top1, or its target still unknown)."""
-        if args.equal_top1 and args.target_top1 is None:
-            args.target_top1 = lowest_best_top1(cells, collect(), len(args.norms))
-        if not args.equal_top1 or args.target_top1 is None:
+        if not args.equal_top1:
             return None
-        equal = equal_top1_cells(cells, collect(), args.target_top1)
+        results = collect()
+        if args.target_top1 is None:
+            args.target_top1 = lowest_best_top1(cells, results, len(args.norms))
+            if args.target_top1 is None:
+                return None
+        equal = equal_top1_cells(cells, results, args.target_top1)
         planned = list(equal[0].values())
-        collect(planned)
+        for cell in planned:
+            configs.setdefault(cell, cell_cfg(cfg, cell))
         check_cell_folders(args.output_dir, planned, configs)
         return equal
 
@@ -668,8 +672,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if equal_todo and not args.report_only:
             print_estimate("the equal-top-1 cell(s) to run", equal_todo, results, configs, args)
     if args.plan_only:
-        for cell in cells + (list(equal[0].values()) if equal else []):
-            print(f"  {cell.name}: {'done' if cell in collect([cell]) else 'to run'} "
+        planned = cells + (list(equal[0].values()) if equal else [])
+        done = collect(planned[len(cells):])
+        for cell in planned:
+            print(f"  {cell.name}: {'done' if cell in done else 'to run'} "
                   f"({cached_backbone_folder(configs[cell])})")  # fmt: skip
         return 0
 
