@@ -299,9 +299,15 @@ def child_environment(jobs: int = 1) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
     if jobs > 1:
-        threads = int(env.get("OMP_NUM_THREADS") or usable_cores())
-        env["OMP_NUM_THREADS"] = str(max(1, threads // jobs))
+        env["OMP_NUM_THREADS"] = str(max(1, threads_of(env) // jobs))
     return env
+
+
+def threads_of(env: dict) -> int:
+    """The intra-op threads torch starts with in ``env``. Recorded with every attempt: on the CPU a run is
+    the same bit for bit only at the same thread count (and CPU); another one sums in another order and
+    trains a run as different as another seed's."""
+    return int(env.get("OMP_NUM_THREADS") or usable_cores())
 
 
 def has_checkpoint(folder: str) -> bool:
@@ -320,13 +326,13 @@ def execute(run: RunSpec, jobs: int = 1) -> bool:
     if not resumed and os.path.isfile(stale_metrics):
         os.remove(stale_metrics)  # train_net appends: a restart from scratch must not extend the old curve
     write_record(run.folder, record)
-    start, returncode = time.perf_counter(), None
+    start, returncode, command, env = time.perf_counter(), None, run.command(), child_environment(jobs)
     try:
         with open(os.path.join(run.folder, TRAIN_LOG), "a") as log:
-            command, env = run.command(), child_environment(jobs)
             returncode = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     finally:
-        attempt = {"wall_s": round(time.perf_counter() - start, 1), "returncode": returncode, "resumed": resumed}
+        attempt = {"wall_s": round(time.perf_counter() - start, 1), "returncode": returncode, "resumed": resumed,
+                   "threads": threads_of(env)}  # fmt: skip
         record["attempts"].append(attempt)
         write_record(run.folder, record)
     return returncode == 0 and is_finished(run.folder, RESULTS_FILE)

@@ -80,7 +80,7 @@ from ..pretraining.train import (
     LOG_PERIOD, RESULTS_FILE, cached_backbone, cached_backbone_folder, cached_backbone_path, is_cached,
     trained_iterations,
 )  # fmt: skip
-from .compare_norms import child_environment, config_label, has_checkpoint, usable_cores, with_pretrain_overrides
+from .compare_norms import child_environment, config_label, has_checkpoint, threads_of, with_pretrain_overrides
 from .launch import load_cfg
 from .timing import output_file
 
@@ -339,7 +339,7 @@ def estimate(cells_to_run, results, configs, jobs: int, steps: int) -> tuple[flo
 
 
 def threads_per_job(jobs: int) -> int:
-    return int(child_environment(jobs).get("OMP_NUM_THREADS") or usable_cores())
+    return threads_of(child_environment(jobs))
 
 
 def format_duration(seconds: float) -> str:
@@ -379,14 +379,15 @@ def execute_cell(command: list[str], folder: str, cell: Cell, cache_folder: str,
     record = read_json(path) or {"norm": cell.norm, "overrides": dict(cell.overrides), "cache_folder": cache_folder,
                                  "attempts": []}  # fmt: skip
     close_interrupted_attempts(record, log_path)
+    env = child_environment(jobs)
     attempt = {"started": round(time.time(), 1), "wall_s": None, "returncode": None,
-               "resumed": has_checkpoint(os.path.join(folder, WORK_FOLDER))}  # fmt: skip
+               "resumed": has_checkpoint(os.path.join(folder, WORK_FOLDER)), "threads": threads_of(env)}  # fmt: skip
     record["attempts"].append(attempt)
     write_json(path, record)
     start, returncode = time.perf_counter(), None
     try:
         with open(log_path, "a") as log:
-            returncode = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=child_environment(jobs))
+            returncode = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     finally:
         attempt.update(wall_s=round(time.perf_counter() - start, 1), returncode=returncode)
         write_json(path, record)

@@ -193,6 +193,7 @@ def test_jobs_run_at_once_on_their_share_of_the_threads(tmp_path, monkeypatch):
     (first, second, third) = (spans[run.folder] for run in broken)
     assert second[0] < first[1] and third[0] >= min(first[1], second[1])  # two at a time, in plan order
     assert {span[2] for span in spans.values()} == {"2"}
+    assert [read_record(run.folder)["attempts"][0]["threads"] for run in broken] == [2, 2, 2]  # what it ran on
     with pytest.raises(ValueError, match="jobs must be >= 1"):
         compare_norms.run_sweep(broken, jobs=0)
 

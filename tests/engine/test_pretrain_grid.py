@@ -205,6 +205,7 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
     records = {cell.name: json.loads((output / "cells" / cell.name / "cell.json").read_text()) for cell in (redone, killed)}
     assert [a["resumed"] for a in records["BN-lr0.1"]["attempts"]] == [False, False]
     assert [a["resumed"] for a in records["GN-lr0.2"]["attempts"]] == [False, False, True]
+    assert [a.get("threads") for a in records["GN-lr0.2"]["attempts"]] == [1, None, 1]  # OMP_NUM_THREADS 1 / 2 jobs
     cut_off = records["GN-lr0.2"]["attempts"][1]
     assert cut_off["interrupted"] and cut_off["wall_s"] == 12.5  # up to its output's end, the log's last change
     assert all(a["wall_s"] > 0 and a["returncode"] == 0 for a in records["GN-lr0.2"]["attempts"][::2])
