@@ -23,7 +23,11 @@ Choices:
   same idea, is not used on top.
 - **Backbones** (``--finetune``): pretrained with each setting's backbone norm by the config's PRETRAIN
   keys, or with ``--backbones BEST_JSON`` by each norm's PRETRAIN overrides in that file
-  (tools/pretrain_grid.py's best.json; FrozenBN takes BN's), made in the cache if not there yet.
+  (tools/pretrain_grid.py's best.json; FrozenBN takes BN's), made in the cache if not there yet. Every
+  seed finetunes the one backbone pretrained with the config's SEED, so the spread over seeds is the
+  finetuning's only; with ``--backbone-seeds`` seed k finetunes a backbone pretrained with SEED k (the
+  config's SEED gives the grid's cell), so that the spread includes the backbone's draw, which moves AP
+  more than the finetuning seed does.
 - **Budget**: ``--iters N`` scales the config's schedule linearly (``SOLVER.STEPS`` and
   ``WARMUP_ITERS`` by N / MAX_ITER); without it the config's schedule is used as is.
 - **Resume**: each run has its own folder, ``OUTPUT_DIR/<setting>/seed<k>``; a run is finished when its
@@ -218,11 +222,34 @@ def read_backbone_settings(path: str) -> dict[str, dict]:
     return best
 
 
-def make_backbones(configs: dict[str, CfgNode]) -> None:
-    """Pretrain the backbones of ``pretraining_configs`` that are not cached yet."""
-    for norm, pretraining in configs.items():
-        logger.info("Backbone for %s: pretrained with %s (made once, then cached)", norm, pretrained_norm(pretraining))
-        cached_backbone(pretraining)
+def backbone_configs(
+    configs: dict[str, CfgNode], seeds: Sequence[int], per_seed: bool
+) -> dict[tuple[str, int], CfgNode]:
+    """(backbone norm, run seed) -> the config that pretrains the run's backbone: ``configs[norm]`` (of
+    ``pretraining_configs``) for every seed, or with ``per_seed`` (``--backbone-seeds``) with SEED the run's
+    seed, which seeds the backbone's initialisation and data order."""
+    result = {}
+    for norm, config in configs.items():
+        for seed in seeds:
+            seeded = config
+            if per_seed and seed != config.SEED:
+                seeded = config.clone()
+                seeded.defrost()
+                seeded.SEED = seed
+            result[norm, seed] = seeded
+    return result
+
+
+def make_backbones(configs: dict[tuple[str, int], CfgNode]) -> None:
+    """Pretrain the backbones of ``backbone_configs`` that are not cached yet, each once."""
+    made = set()
+    for (norm, seed), pretraining in configs.items():
+        path = cached_backbone_path(pretraining)
+        if path not in made:
+            logger.info("Backbone for %s (pretraining SEED %d): pretrained with %s (made once, then cached)", norm,
+                        pretraining.SEED, pretrained_norm(pretraining))  # fmt: skip
+            cached_backbone(pretraining)
+            made.add(path)
 
 
 def plan_runs(
@@ -234,11 +261,11 @@ def plan_runs(
     iterations: Optional[int] = None,
     batch_average_batches: Optional[int] = None,
     opts: Sequence[str] = (),
-    backbones: Optional[dict[str, str]] = None,
+    backbones: Optional[dict[tuple[str, int], str]] = None,
 ) -> list[RunSpec]:
     """The runs of the sweep, seeds outermost. ``cfg`` is ``config_file`` with ``opts`` (KEY VALUE), which
     apply to every run; the sweep's own keys (norms, batch average, seed, schedule, and the initial weights
-    ``backbones[backbone norm]`` when finetuning) come after them and win."""
+    ``backbones[backbone norm, seed]`` when finetuning) come after them and win."""
     if len(set(settings)) != len(settings) or len(set(seeds)) != len(seeds):
         raise ValueError(f"settings and seeds must not repeat: {[s.name for s in settings]}, {list(seeds)}")
     if any(seed < 0 for seed in seeds):
@@ -258,7 +285,7 @@ def plan_runs(
             if batch_average:
                 average += ["TEST.BATCH_AVERAGE.NUM_BATCHES", str(batch_average)]
             folder = os.path.abspath(os.path.join(output_dir, setting.folder_name, f"seed{seed}"))
-            weights = ["MODEL.WEIGHTS", backbones[setting.backbone]] if backbones else []
+            weights = ["MODEL.WEIGHTS", backbones[setting.backbone, seed]] if backbones else []
             overrides = [*opts, *setting.norm_overrides(), *weights, *average, "SEED", str(seed), *schedule]
             runs.append(
                 RunSpec(
@@ -386,7 +413,10 @@ def config_label(config_file: str) -> str:
     return "configs/" + relative.replace(os.sep, "/") if not relative.startswith("..") else config_file
 
 
-def describe(cfg, config_file: str, runs: Sequence[RunSpec], backbones: Optional[tuple[str, dict]] = None) -> str:
+def describe(
+    cfg, config_file: str, runs: Sequence[RunSpec], backbones: Optional[tuple[str, dict]] = None,
+    backbone_seeds: bool = False,
+) -> str:
     """The paragraph above the results table: what was trained and evaluated, and how to read it."""
     config = config_label(config_file)
     seeds = sorted({run.seed for run in runs})
@@ -406,6 +436,11 @@ def describe(cfg, config_file: str, runs: Sequence[RunSpec], backbones: Optional
             chosen = "; ".join(f"{norm}: " + ", ".join(f"{key} {value}" for key, value in overrides.items())
                                for norm, overrides in best.items())  # fmt: skip
             init += f", each norm with its PRETRAIN setting in `{path}` (`tools/pretrain_grid.py`: {chosen})"
+        init += (
+            "; each seed from a backbone pretrained with that seed (`--backbone-seeds`), so the spread includes "
+            "the backbone's" if backbone_seeds else
+            f"; every seed from the one backbone pretrained with SEED {cfg.SEED}, so the spread is the finetuning's only"
+        )  # fmt: skip
     return (
         f"### Norm settings compared on this machine (`{tool}`, measured here)\n\n"
         f"Mask R-CNN R{cfg.MODEL.RESNETS.DEPTH}-FPN (`{config}`: {cfg.INPUT.MIN_SIZE_TEST} px inputs, FPN and "
@@ -492,6 +527,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="with --finetune: pretrain each backbone norm with its PRETRAIN setting in this file (tools/pretrain_grid.py's "
         f"best.json; FrozenBN: BN's); default --output-dir then {DEFAULT_BEST_OUTPUT_DIR}",
     )  # fmt: skip
+    parser.add_argument(
+        "--backbone-seeds", action="store_true",
+        help="with --finetune: seed k finetunes a backbone pretrained with SEED k, so that the spread over seeds "
+        "includes the backbone's (default: every seed finetunes the backbone of the config's SEED)",
+    )  # fmt: skip
     parser.add_argument("--publish", metavar="FILE", type=output_file, help="also write the table here, e.g. model_zoo/compare_norms.md")
     parser.add_argument("--report-only", action="store_true", help="only write the tables and plots of finished runs")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides for every run")
@@ -504,6 +544,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.backbones and not args.finetune:
         parser.error("--backbones chooses the pretrained backbones of --finetune; add --finetune")
+    if args.backbone_seeds and not args.finetune:
+        parser.error("--backbone-seeds seeds the pretrained backbones of --finetune; add --finetune")
     try:
         args.settings = [parse_setting(text) for text in args.settings]
         if args.finetune:
@@ -531,8 +573,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = load_cfg(os.path.abspath(args.config_file), list(args.opts))
     # planned and checked before any pretraining, which takes the longest
     try:
-        pretraining = pretraining_configs(cfg, args.settings, args.backbone_settings) if args.finetune else {}
-        backbones = {norm: cached_backbone_path(config) for norm, config in pretraining.items()} or None
+        per_norm = pretraining_configs(cfg, args.settings, args.backbone_settings) if args.finetune else {}
+        pretraining = backbone_configs(per_norm, args.seeds, args.backbone_seeds)
+        backbones = {key: cached_backbone_path(config) for key, config in pretraining.items()} or None
         runs = plan_runs(
             cfg, args.config_file, args.settings, args.seeds, args.output_dir, args.iters, args.batch_average_batches,
             args.opts, backbones,
@@ -541,12 +584,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as error:
         raise SystemExit(f"compare_norms: error: {error}") from None
     description = describe(cfg, args.config_file, runs,
-                           (args.backbones, args.backbone_settings) if args.backbone_settings else None)  # fmt: skip
+                           (args.backbones, args.backbone_settings) if args.backbone_settings else None,
+                           args.backbone_seeds)  # fmt: skip
     if args.backbone_settings:
-        for norm, config in pretraining.items():
+        # the grid made each norm's backbone of the config's SEED; --backbone-seeds' others are new
+        for norm, config in per_norm.items():
             if not is_cached(config):
                 logger.warning("--backbones: the backbone of %s is not in the cache (%s): it is pretrained first; the "
-                               "grid's config and KEY VALUE overrides would have made it", norm, backbones[norm])  # fmt: skip
+                               "grid's config and KEY VALUE overrides would have made it", norm,
+                               cached_backbone_path(config))  # fmt: skip
     if not args.report_only:
         make_backbones(pretraining)
 

@@ -260,6 +260,42 @@ def test_tiny_finetune_sweep_pretrains_each_backbone_once_and_finetunes_from_it(
     assert train_net_calls == [] and sorted(os.listdir(tmp_path / "backbones")) == backbones
 
 
+def test_backbone_seeds_pretrain_a_backbone_per_seed_the_configs_seed_the_grids(tmp_path, monkeypatch, capsys):
+    """--backbone-seeds: seed k finetunes a backbone pretrained with SEED k; the config's SEED gives the
+    backbone a sweep without it uses (the grid's cell), and FrozenBN shares BN's."""
+    monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
+    cfg = load_cfg(compare_norms.DEFAULT_FINETUNE_CONFIG, [])
+    settings = [parse_setting(text) for text in ("FrozenBN/GN", "BN", "SN")]
+    per_norm = compare_norms.pretraining_configs(cfg, settings)
+    seeds = [cfg.SEED, cfg.SEED + 1, cfg.SEED + 5]
+    shared = compare_norms.backbone_configs(per_norm, seeds, per_seed=False)
+    own = compare_norms.backbone_configs(per_norm, seeds, per_seed=True)
+    path = compare_norms.cached_backbone_path
+    for norm in ("FrozenBN", "BN", "SN"):
+        assert {path(shared[norm, seed]) for seed in seeds} == {path(per_norm[norm])}
+        assert [own[norm, seed].SEED for seed in seeds] == seeds
+        assert path(own[norm, cfg.SEED]) == path(per_norm[norm]) and len({path(own[norm, s]) for s in seeds}) == 3
+    assert all(path(own["FrozenBN", seed]) == path(own["BN", seed]) for seed in seeds)
+    assert per_norm["SN"].SEED == cfg.SEED  # the per-norm configs are not changed
+
+    # the sweep plans from them, and its table says which spread it shows
+    planned = {}
+    original = compare_norms.plan_runs
+    monkeypatch.setattr(compare_norms, "plan_runs", lambda *a, **kw: planned.update(backbones=a[8]) or original(*a, **kw))
+    common = ["--finetune", "--settings", "SN", "--seeds", *map(str, seeds[:2]), "--report-only"]
+    for flag, expected in (([], shared), (["--backbone-seeds"], own)):
+        assert compare_norms.main([*common, *flag, "--output-dir", str(tmp_path / f"sweep{len(flag)}")]) == 0
+        assert planned["backbones"] == {("SN", seed): path(expected["SN", seed]) for seed in seeds[:2]}
+    runs = plan_runs(cfg, compare_norms.DEFAULT_FINETUNE_CONFIG, settings[2:], seeds[:1], str(tmp_path),
+                     backbones={("SN", seeds[0]): "backbone.pth"})  # fmt: skip
+    assert "the spread includes the backbone's" in compare_norms.describe(cfg, CONFIG, runs, backbone_seeds=True)
+    shared_text = compare_norms.describe(cfg, CONFIG, runs)
+    assert f"pretrained with SEED {cfg.SEED}, so the spread is the finetuning's only" in shared_text
+    with pytest.raises(SystemExit):
+        compare_norms.parse_args(["--backbone-seeds"])
+    assert "--backbone-seeds seeds the pretrained backbones of --finetune" in capsys.readouterr().err
+
+
 def test_a_finetune_sweep_checks_its_runs_before_pretraining_any_backbone(tmp_path, monkeypatch):
     """Pretraining is the longest part: a wrong argument or a foreign folder fails before it."""
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "backbones"))

@@ -225,7 +225,9 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
              "--output-dir", str(tmp_path / "sweep"), *tiny_pretraining(tiny_classification_set)]  # fmt: skip
     assert compare_norms.main(sweep) == 0
     expected = {norm: cached_backbone_path(cell_cfg(cfg, Cell(norm, tuple(best[norm].items())))) for norm in ("BN", "GN")}
-    assert planned["backbones"] == {"FrozenBN": expected["BN"], "GN": expected["GN"]}
+    seeds = compare_norms.DEFAULT_SEEDS  # each finetunes the same backbone: the grid's, of the config's SEED
+    assert planned["backbones"] == {**{("FrozenBN", seed): expected["BN"] for seed in seeds},
+                                    **{("GN", seed): expected["GN"] for seed in seeds}}  # fmt: skip
     assert all(os.path.isfile(path) for path in planned["backbones"].values())
 
 
@@ -310,4 +312,4 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     sweep = ["--finetune", "--backbones", str(output / "equal_top1.json"), "--settings", "GN", "--report-only",
              "--output-dir", str(tmp_path / "sweep"), *opts]  # fmt: skip
     assert compare_norms.main(sweep) == 0
-    assert planned["backbones"] == {"GN": cached_backbone_path(stopped)}
+    assert planned["backbones"] == {("GN", seed): cached_backbone_path(stopped) for seed in compare_norms.DEFAULT_SEEDS}
