@@ -41,9 +41,12 @@ Choices:
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
+import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -61,9 +64,10 @@ from ..evidence import plots, report
 from ..evidence.runs import METRICS_FILE, RunResult, is_finished, loss_curve, read_record, read_result, write_record
 from ..layers import has_batch_statistics
 from ..pretraining.model import PRETRAINED_AS, pretrained_norm
-from ..pretraining.train import cached_backbone, cached_backbone_path, is_cached
+from ..pretraining.train import RESULTS_FILE as PRETRAINING_RESULTS_FILE
+from ..pretraining.train import cached_backbone, cached_backbone_path, is_cached, pretrained_root, trained_iterations
 from .launch import load_cfg
-from .timing import output_file
+from .timing import format_duration, output_file
 from .trainer import RESULTS_FILE
 
 logger = logging.getLogger(__name__)
@@ -238,6 +242,57 @@ def backbone_configs(
                 seeded.SEED = seed
             result[norm, seed] = seeded
     return result
+
+
+def backbones_to_make(configs: dict[tuple[str, int], CfgNode]) -> list[CfgNode]:
+    """The pretraining configs of ``backbone_configs`` whose backbone is not in the cache, each once."""
+    missing = {}
+    for config in configs.values():
+        if not is_cached(config):
+            missing.setdefault(cached_backbone_path(config), config)
+    return list(missing.values())
+
+
+def cached_seconds_per_iteration(norm: str) -> tuple[float, int]:
+    """(median pretraining seconds per iteration, how many backbones it is the median of) over the cached
+    backbones pretrained with ``norm`` (their results.json); NaN and 0 if there is none."""
+    pattern = os.path.join(pretrained_root(), f"resnet*-{norm}-*", PRETRAINING_RESULTS_FILE)
+    measured = []
+    for path in glob.glob(pattern):
+        with open(path) as f:
+            results = json.load(f)
+        if results.get("iterations") and results.get("train_seconds"):
+            measured.append(results["train_seconds"] / results["iterations"])
+    return (statistics.median(measured), len(measured)) if measured else (math.nan, 0)
+
+
+def print_plan(runs: Sequence[RunSpec], pretraining: dict[tuple[str, int], CfgNode], jobs: int) -> None:
+    """What the sweep is about to do and an estimate of its wall time, before it does anything: runs
+    done and to run, backbones to pretrain first (one at a time)."""
+    finished = [read_result(run.folder, RESULTS_FILE) for run in runs if is_finished(run.folder, RESULTS_FILE)]
+    todo = len(runs) - len(finished)
+    settings, seeds = len({run.setting for run in runs}), len({run.seed for run in runs})
+    iterations = ", ".join(str(i) for i in sorted({run.iterations for run in runs}))
+    print(f"Sweep: {settings} setting(s) x {seeds} seed(s) = {len(runs)} runs of {iterations} iterations; "
+          f"{len(finished)} done, {todo} to run, --jobs {jobs}.", flush=True)  # fmt: skip
+    missing = backbones_to_make(pretraining)
+    if missing:
+        print(f"First {len(missing)} backbone(s) not in the cache are pretrained, one at a time on all threads:",
+              flush=True)  # fmt: skip
+        for config in missing:
+            norm, steps = pretrained_norm(config), trained_iterations(config)
+            per_iter, count = cached_seconds_per_iteration(norm)
+            basis = (f"{per_iter:.2f} s/iter, the median of {count} cached {norm} backbone(s)' training time"
+                     if count else f"no cached {norm} backbone to estimate from")  # fmt: skip
+            print(f"  {norm}, SEED {config.SEED}, {steps} iterations: {format_duration(per_iter * steps)} "
+                  f"({basis})", flush=True)  # fmt: skip
+    if todo:
+        per_run = statistics.median(result.wall_s for result in finished) if finished else math.nan
+        at_once = min(jobs, todo)
+        basis = (f"{todo} x {format_duration(per_run)}, the median wall time of the {len(finished)} finished run(s), "
+                 f"/ {at_once} at once" if finished else "known once a run of this sweep has finished")  # fmt: skip
+        print(f"Estimated wall time of the {todo} run(s) to run: {format_duration(todo * per_run / at_once)} "
+              f"({basis}).", flush=True)  # fmt: skip
 
 
 def make_backbones(configs: dict[tuple[str, int], CfgNode]) -> None:
@@ -534,6 +589,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--publish", metavar="FILE", type=output_file, help="also write the table here, e.g. model_zoo/compare_norms.md")
     parser.add_argument("--report-only", action="store_true", help="only write the tables and plots of finished runs")
+    parser.add_argument("--plan-only", action="store_true", help="print the plan and the estimate, run nothing")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides for every run")
     args = parser.parse_args(argv)
     args.config_file = args.config_file or (DEFAULT_FINETUNE_CONFIG if args.finetune else DEFAULT_CONFIG)
@@ -544,6 +600,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.backbones and not args.finetune:
         parser.error("--backbones chooses the pretrained backbones of --finetune; add --finetune")
+    if args.plan_only and args.report_only:
+        parser.error("--plan-only prints what would run, --report-only writes what has run: give one")
     if args.backbone_seeds and not args.finetune:
         parser.error("--backbone-seeds seeds the pretrained backbones of --finetune; add --finetune")
     try:
@@ -593,6 +651,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 logger.warning("--backbones: the backbone of %s is not in the cache (%s): it is pretrained first; the "
                                "grid's config and KEY VALUE overrides would have made it", norm,
                                cached_backbone_path(config))  # fmt: skip
+    if not args.report_only:
+        print_plan(runs, pretraining, args.jobs)
+    if args.plan_only:
+        return 0
     if not args.report_only:
         make_backbones(pretraining)
 

@@ -82,7 +82,7 @@ from ..pretraining.train import (
 )  # fmt: skip
 from .compare_norms import child_environment, config_label, has_checkpoint, threads_of, with_pretrain_overrides
 from .launch import load_cfg
-from .timing import output_file
+from .timing import format_duration, output_file
 
 logger = logging.getLogger(__name__)
 
@@ -340,14 +340,6 @@ def estimate(cells_to_run, results, configs, jobs: int, steps: int) -> tuple[flo
 
 def threads_per_job(jobs: int) -> int:
     return threads_of(child_environment(jobs))
-
-
-def format_duration(seconds: float) -> str:
-    if math.isnan(seconds):
-        return "unknown"
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
 
 
 # -- running the cells -------------------------------------------------------------------------------

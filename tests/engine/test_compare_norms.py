@@ -227,7 +227,7 @@ def test_publish_into_a_missing_folder_is_refused_up_front(tmp_path, capsys):
 
 
 def test_tiny_finetune_sweep_pretrains_each_backbone_once_and_finetunes_from_it(
-    tmp_path, train_net_calls, tiny_classification_set, monkeypatch
+    tmp_path, train_net_calls, tiny_classification_set, monkeypatch, capsys
 ):
     """The SN paper's protocol at a tiny budget: FrozenBN (BN†) from a BN-pretrained backbone, SN from an
     SN-pretrained one, each pretrained once (cached) and loaded by the runs. (The heads are normalized: a
@@ -241,6 +241,14 @@ def test_tiny_finetune_sweep_pretrains_each_backbone_once_and_finetunes_from_it(
     arguments = ["--finetune", "--config-file", CONFIG, "--settings", "FrozenBN/GN", "SN", "--seeds", "3",
                  "--iters", "2", "--batch-average-batches", "1", "--output-dir", str(tmp_path / "sweep"),
                  *TINY, *pretraining, "MODEL.BACKBONE.FREEZE_AT", "2"]  # fmt: skip
+    # the plan first: nothing made, nothing run
+    assert compare_norms.main(["--plan-only", *arguments]) == 0
+    assert train_net_calls == [] and not (tmp_path / "backbones").exists()
+    plan = capsys.readouterr().out
+    assert "Sweep: 2 setting(s) x 1 seed(s) = 2 runs of 2 iterations; 0 done, 2 to run, --jobs 1." in plan
+    assert "First 2 backbone(s) not in the cache are pretrained" in plan and "  SN, SEED 1, 2 iterations: unknown (no cached SN backbone" in plan
+    assert "Estimated wall time of the 2 run(s) to run: unknown (known once a run of this sweep has finished)" in plan
+
     assert compare_norms.main(arguments) == 0
     backbones = sorted(os.listdir(tmp_path / "backbones"))
     assert [name.split("-")[:2] for name in backbones] == [["resnet18", "BN"], ["resnet18", "SN"]]
@@ -256,8 +264,16 @@ def test_tiny_finetune_sweep_pretrains_each_backbone_once_and_finetunes_from_it(
     assert "| FrozenBN/GN | FrozenBN | GN | – (none) | 1 |" in table
 
     train_net_calls.clear()
+    capsys.readouterr()
     assert compare_norms.main(arguments) == 0  # everything finished: nothing trained, nothing pretrained
     assert train_net_calls == [] and sorted(os.listdir(tmp_path / "backbones")) == backbones
+    plan = capsys.readouterr().out
+    assert "2 done, 0 to run" in plan and "First" not in plan and "Estimated" not in plan
+    os.remove(os.path.join(folder, RESULTS_FILE))  # the SN run to do again: timed by the finished one
+    assert compare_norms.main(["--plan-only", *arguments]) == 0
+    (finished,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Estimated")]
+    assert "1 x " in finished and "the median wall time of the 1 finished run(s), / 1 at once" in finished
+    assert train_net_calls == []
 
 
 def test_backbone_seeds_pretrain_a_backbone_per_seed_the_configs_seed_the_grids(tmp_path, monkeypatch, capsys):
@@ -294,6 +310,9 @@ def test_backbone_seeds_pretrain_a_backbone_per_seed_the_configs_seed_the_grids(
     with pytest.raises(SystemExit):
         compare_norms.parse_args(["--backbone-seeds"])
     assert "--backbone-seeds seeds the pretrained backbones of --finetune" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare_norms.parse_args(["--plan-only", "--report-only"])
+    assert "--plan-only prints what would run, --report-only writes what has run: give one" in capsys.readouterr().err
 
 
 def test_a_finetune_sweep_checks_its_runs_before_pretraining_any_backbone(tmp_path, monkeypatch):
