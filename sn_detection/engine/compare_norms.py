@@ -478,7 +478,8 @@ def describe(
     iterations = sorted({run.iterations for run in runs})
     init = "trained from scratch" if not cfg.MODEL.WEIGHTS else f"trained from `{cfg.MODEL.WEIGHTS}`"
     tool = "tools/compare_norms.py"
-    if any("MODEL.WEIGHTS" in run.train_args for run in runs):
+    finetuned = any("MODEL.WEIGHTS" in run.train_args for run in runs)
+    if finetuned:
         tool += " --finetune"
         init = (
             f"finetuned (stages up to res{cfg.MODEL.BACKBONE.FREEZE_AT} frozen) from a ResNet-{cfg.MODEL.RESNETS.DEPTH} "
@@ -510,6 +511,8 @@ def describe(
         "it replaces the moving average, as detectron2's PreciseBN would); *–*: the setting has none. "
         "s/iter (median over training) and min/run (start-up, training, batch average and evaluation) are "
         f"wall-clock times on {os.cpu_count()} CPU cores, noisy where other work shared the machine."
+        + (" *Backbone top-1*: the val top-1 of the pretrained backbone the runs started from (one figure where "
+           "every seed started from the same one)." if finetuned else "")
     )
 
 
@@ -518,7 +521,8 @@ def write_outputs(
 ) -> list[RunResult]:
     """The table, CSV and plots of the finished runs among ``runs`` (nothing before the first one);
     the table also to ``publish`` if given. Returns the results."""
-    results = [read_result(run.folder, RESULTS_FILE) for run in runs if is_finished(run.folder, RESULTS_FILE)]
+    results = [read_result(run.folder, RESULTS_FILE, PRETRAINING_RESULTS_FILE) for run in runs
+               if is_finished(run.folder, RESULTS_FILE)]  # fmt: skip
     if not results:
         logger.info("No finished run yet: no table written")
         return results

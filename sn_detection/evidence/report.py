@@ -14,8 +14,8 @@ from typing import Sequence
 
 from .runs import AP_METRICS, RunResult
 
-# What is averaged: the AP columns, then the cost and the end of the learning curve.
-SUMMARY_COLUMNS = (*AP_METRICS, "wall_s", "s_per_iter", "final_loss")
+# What is averaged: the AP columns, then the cost, the end of the learning curve and the backbone's top-1.
+SUMMARY_COLUMNS = (*AP_METRICS, "wall_s", "s_per_iter", "final_loss", "backbone_top1")
 CSV_COLUMNS = ("kind", "setting", "backbone", "head", "batch_average", "seed", "runs", "iterations",
                *SUMMARY_COLUMNS, "folder")  # fmt: skip
 # markdown column -> summary column, for the value columns
@@ -88,8 +88,18 @@ def statistics_label(batch_average: int) -> str:
     return f"batch average ({batch_average})" if batch_average else "– (none)"
 
 
+def format_top1(mean: float, std: float) -> str:
+    """A backbone top-1 over the seeds: one figure where every seed had the same backbone."""
+    if math.isnan(mean):
+        return "–"
+    return f"{mean:.1f} %" if math.isnan(std) or std == 0 else f"{mean:.1f} ± {std:.1f} %"
+
+
 def markdown_table(summaries: Sequence[SettingSummary]) -> str:
-    header = ["setting", "backbone", "FPN + heads", "test statistics", "runs", *_TABLE_VALUES, "s/iter", "min/run"]
+    """The table; a *backbone top-1* column where any setting started from a backbone of known top-1."""
+    top1 = any(not math.isnan(s.mean["backbone_top1"]) for s in summaries)
+    header = ["setting", "backbone", "FPN + heads", "test statistics", "runs", *(["backbone top-1"] if top1 else []),
+              *_TABLE_VALUES, "s/iter", "min/run"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s in summaries:
         values = [format_mean_std(s.mean[column], s.std[column]) for column in _TABLE_VALUES.values()]
@@ -99,6 +109,7 @@ def markdown_table(summaries: Sequence[SettingSummary]) -> str:
             s.head,
             statistics_label(s.batch_average),
             str(s.runs),
+            *([format_top1(s.mean["backbone_top1"], s.std["backbone_top1"])] if top1 else []),
             *values,
             f"{s.mean['s_per_iter']:.2f}",
             f"{s.mean['wall_s'] / 60:.1f}",

@@ -45,6 +45,7 @@ class RunResult:
     s_per_iter: float  # median of train_net's per-iteration time
     final_loss: float  # the last logged total_loss (detectron2's 20-iteration median)
     folder: str
+    backbone_top1: float = math.nan  # val top-1 of the pretrained backbone it started from; NaN: none known
 
 
 def is_finished(folder: str, results_file: str) -> bool:
@@ -86,8 +87,10 @@ def loss_curve(folder: str) -> list[tuple[int, float]]:
     return sorted(by_iteration.items())
 
 
-def read_result(folder: str, results_file: str) -> RunResult:
-    """The result of the finished run in ``folder``, whose final evaluation is ``results_file``."""
+def read_result(folder: str, results_file: str, backbone_results_file: str | None = None) -> RunResult:
+    """The result of the finished run in ``folder``, whose final evaluation is ``results_file``; with
+    ``backbone_results_file``, the val top-1 of its initial weights (MODEL.WEIGHTS) from that file
+    beside them, where pretraining wrote one."""
     record = read_record(folder)
     if record is None or not is_finished(folder, results_file):
         raise ValueError(f"{folder} holds no finished run of the sweep (needs {RUN_RECORD} and {results_file})")
@@ -112,4 +115,18 @@ def read_result(folder: str, results_file: str) -> RunResult:
         s_per_iter=statistics.median(times) if times else math.nan,
         final_loss=curve[-1][1] if curve else math.nan,
         folder=folder,
+        backbone_top1=_backbone_top1(record["train_args"], backbone_results_file),
     )
+
+
+def _backbone_top1(train_args: list[str], backbone_results_file: str | None) -> float:
+    """``val_top1`` of the results file beside the run's MODEL.WEIGHTS (the last one given wins, as in
+    detectron2's merge); NaN without weights, or where no such file is."""
+    weights = [train_args[i + 1] for i, arg in enumerate(train_args[:-1]) if arg == "MODEL.WEIGHTS"]
+    if not backbone_results_file or not weights or not weights[-1]:
+        return math.nan
+    path = os.path.join(os.path.dirname(weights[-1]), backbone_results_file)
+    if not os.path.isfile(path):
+        return math.nan
+    with open(path) as f:
+        return float(json.load(f).get("val_top1", math.nan))

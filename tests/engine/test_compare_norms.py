@@ -261,7 +261,10 @@ def test_tiny_finetune_sweep_pretrains_each_backbone_once_and_finetunes_from_it(
         assert f"Loading from {weights}" in log and "backbone.fpn_lateral2" in missing and "bottom_up" not in missing
     table = (tmp_path / "sweep" / "results.md").read_text()
     assert "finetuned (stages up to res2 frozen) from a ResNet-18 pretrained" in table
-    assert "| FrozenBN/GN | FrozenBN | GN | – (none) | 1 |" in table
+    top1 = {norm: json.loads((tmp_path / "backbones" / name / "results.json").read_text())["val_top1"]
+            for norm, name in zip(("BN", "SN"), backbones)}  # fmt: skip
+    assert f"| FrozenBN/GN | FrozenBN | GN | – (none) | 1 | {top1['BN']:.1f} % |" in table
+    assert f"| SN | SN | SN | batch average (1) | 1 | {top1['SN']:.1f} % |" in table
 
     train_net_calls.clear()
     capsys.readouterr()

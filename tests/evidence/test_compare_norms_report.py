@@ -12,12 +12,13 @@ from sn_detection.evidence import plots, report
 from sn_detection.evidence.runs import RunResult, loss_curve, read_result, write_record
 
 
-def result(setting, seed, box_ap, mask_ap, batch_average=0, wall_s=100.0):
+def result(setting, seed, box_ap, mask_ap, batch_average=0, wall_s=100.0, backbone_top1=math.nan):
     backbone, _, head = setting.partition("/")
     metrics = {column: math.nan for column in ("box_AP50", "box_AP75", "mask_AP50", "mask_AP75")}
     metrics.update(box_AP=box_ap, mask_AP=mask_ap)
     metrics.update(box_AP50=2 * box_ap, mask_AP50=2 * mask_ap)
-    return RunResult(setting, backbone, head or backbone, seed, 400, batch_average, metrics, wall_s, 0.25, 1.5, "x")
+    return RunResult(setting, backbone, head or backbone, seed, 400, batch_average, metrics, wall_s, 0.25, 1.5, "x",
+                     backbone_top1)  # fmt: skip
 
 
 RESULTS = [
@@ -61,6 +62,20 @@ def test_markdown_table():
     assert lines[4].startswith("| SN/GN | SN | GN | batch average (20) | 1 | 5.0 | 10.0 | 4.0 | 8.0 |")  # no spread
 
 
+def test_the_backbone_top1_column_is_there_where_a_backbone_is_known():
+    known = [
+        result("SN", 1, 10.0, 8.0, backbone_top1=84.0),  # every seed from one backbone: one figure
+        result("SN", 2, 12.0, 9.0, backbone_top1=84.0),
+        result("GN", 1, 7.0, 6.5, backbone_top1=60.0),  # a backbone per seed: its spread
+        result("GN", 2, 9.0, 7.5, backbone_top1=64.0),
+        result("BN", 1, 5.0, 4.0),  # trained from scratch
+    ]
+    lines = report.markdown_table(report.summarize(known, ["SN", "GN", "BN"])).splitlines()
+    assert lines[0].startswith("| setting | backbone | FPN + heads | test statistics | runs | backbone top-1 | box AP |")
+    assert [line.split(" | ")[5] for line in lines[2:]] == ["84.0 %", "62.0 ± 2.8 %", "–"]
+    assert "backbone top-1" not in report.markdown_table(report.summarize(RESULTS, ["GN"]))
+
+
 def test_markdown_file_names_unfinished_runs(tmp_path):
     path = tmp_path / "table.md"
     report.write_markdown(str(path), "What was run.", report.summarize(RESULTS, ["SN"]), ["DN seed 2"])
@@ -92,9 +107,9 @@ def test_plots_are_written(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def write_run(folder, metrics_rows, attempts):
+def write_run(folder, metrics_rows, attempts, train_args=()):
     write_record(str(folder), {"setting": "SN/GN", "backbone": "SN", "head": "GN", "seed": 3, "iterations": 40,
-                               "batch_average": 20, "train_args": [], "attempts": attempts})  # fmt: skip
+                               "batch_average": 20, "train_args": list(train_args), "attempts": attempts})  # fmt: skip
     with open(folder / "metrics.json", "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in metrics_rows)
 
@@ -107,7 +122,11 @@ def test_a_run_folder_is_read(tmp_path):
         {"iteration": 39, "total_loss": 2.4, "time": 0.5},
         {"iteration": 39, "bbox/AP": 1.0},
     ]
-    write_run(tmp_path, rows, [{"wall_s": 30.0, "returncode": -9}, {"wall_s": 20.5, "returncode": 0}])
+    backbone = tmp_path / "backbone"
+    backbone.mkdir()
+    (backbone / "pretrained.json").write_text(json.dumps({"val_top1": 68.25}))
+    train_args = ["MODEL.WEIGHTS", "elsewhere.pth", "SEED", "3", "MODEL.WEIGHTS", str(backbone / "backbone.pth")]
+    write_run(tmp_path, rows, [{"wall_s": 30.0, "returncode": -9}, {"wall_s": 20.5, "returncode": 0}], train_args)
     with pytest.raises(ValueError, match="no finished run"):
         read_result(str(tmp_path), RESULTS_FILE)
     tasks = {"bbox": {"AP": 6.0, "AP50": 12.0, "AP75": 5.0}, "segm": {"AP": 4.0, "AP50": 9.0, "AP75": 3.0}}
@@ -120,6 +139,10 @@ def test_a_run_folder_is_read(tmp_path):
     assert run.metrics == expected
     assert run.wall_s == 50.5 and run.s_per_iter == 0.5 and run.final_loss == 2.4
     assert loss_curve(str(tmp_path)) == [(19, 3.0), (39, 2.4)]
+    # the backbone's top-1 from the file pretraining left beside the weights the run loaded (the last given)
+    assert math.isnan(run.backbone_top1)
+    assert read_result(str(tmp_path), RESULTS_FILE, "pretrained.json").backbone_top1 == 68.25
+    assert math.isnan(read_result(str(tmp_path), RESULTS_FILE, "missing.json").backbone_top1)
 
 
 def test_a_run_without_masks_is_refused(tmp_path):
