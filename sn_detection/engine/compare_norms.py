@@ -23,7 +23,9 @@ Choices:
   same idea, is not used on top.
 - **Backbones** (``--finetune``): pretrained with each setting's backbone norm by the config's PRETRAIN
   keys, or with ``--backbones BEST_JSON`` by each norm's PRETRAIN overrides in that file
-  (tools/pretrain_grid.py's best.json; FrozenBN takes BN's), made in the cache if not there yet. Every
+  (tools/pretrain_grid.py's best.json; FrozenBN takes BN's), made in the cache if not there yet, one at
+  a time, each in ``OUTPUT_DIR/backbones/<cache folder>`` with checkpoints, so that a sweep killed there
+  resumes the backbone (PRETRAIN.CHECKPOINT_PERIOD); the folder goes once it is cached. Every
   seed finetunes the one backbone pretrained with the config's SEED, so the spread over seeds is the
   finetuning's only; with ``--backbone-seeds`` seed k finetunes a backbone pretrained with SEED k (the
   config's SEED gives the grid's cell), so that the spread includes the backbone's draw, which moves AP
@@ -65,7 +67,14 @@ from ..evidence.runs import METRICS_FILE, RunResult, is_finished, loss_curve, re
 from ..layers import has_batch_statistics
 from ..pretraining.model import PRETRAINED_AS, pretrained_norm
 from ..pretraining.train import RESULTS_FILE as PRETRAINING_RESULTS_FILE
-from ..pretraining.train import cached_backbone, cached_backbone_path, is_cached, pretrained_root, trained_iterations
+from ..pretraining.train import (
+    cached_backbone,
+    cached_backbone_folder,
+    cached_backbone_path,
+    is_cached,
+    pretrained_root,
+    trained_iterations,
+)
 from .launch import load_cfg
 from .timing import format_duration, output_file
 from .trainer import RESULTS_FILE
@@ -83,6 +92,7 @@ FINETUNE_SETTINGS = ("FrozenBN/-", "FrozenBN/GN", "FrozenBN/SN", "GN", "GN/SN", 
 DEFAULT_FINETUNE_CONFIG = os.path.join(model_zoo.CONFIG_DIR, "demo_finetune_norms.yaml")
 NO_NORM = "-"
 DEFAULT_SEEDS = (1, 2, 3)
+BACKBONE_WORK_FOLDER = "backbones"  # in the output folder: backbones being pretrained, until cached
 DEFAULT_OUTPUT_DIR = os.path.join("output", "compare_norms")
 DEFAULT_FINETUNE_OUTPUT_DIR = os.path.join("output", "compare_norms_finetune")
 DEFAULT_BEST_OUTPUT_DIR = os.path.join("output", "compare_norms_finetune_best")
@@ -295,16 +305,19 @@ def print_plan(runs: Sequence[RunSpec], pretraining: dict[tuple[str, int], CfgNo
               f"({basis}).", flush=True)  # fmt: skip
 
 
-def make_backbones(configs: dict[tuple[str, int], CfgNode]) -> None:
-    """Pretrain the backbones of ``backbone_configs`` that are not cached yet, each once."""
+def make_backbones(configs: dict[tuple[str, int], CfgNode], output_dir: str) -> None:
+    """Pretrain the backbones of ``backbone_configs`` that are not cached yet, each once, each in a work
+    folder of its own under ``output_dir``/backbones, so that a sweep killed mid-way resumes a backbone
+    from its last checkpoint (PRETRAIN.CHECKPOINT_PERIOD)."""
     made = set()
     for (norm, seed), pretraining in configs.items():
-        path = cached_backbone_path(pretraining)
-        if path not in made:
+        folder = cached_backbone_folder(pretraining)
+        if folder not in made:
             logger.info("Backbone for %s (pretraining SEED %d): pretrained with %s (made once, then cached)", norm,
                         pretraining.SEED, pretrained_norm(pretraining))  # fmt: skip
-            cached_backbone(pretraining)
-            made.add(path)
+            work_dir = os.path.join(output_dir, BACKBONE_WORK_FOLDER, os.path.basename(folder))
+            cached_backbone(pretraining, work_dir=work_dir)
+            made.add(folder)
 
 
 def plan_runs(
@@ -660,7 +673,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.plan_only:
         return 0
     if not args.report_only:
-        make_backbones(pretraining)
+        make_backbones(pretraining, args.output_dir)
 
     def write():
         return write_outputs(runs, args.output_dir, description, args.publish)

@@ -12,11 +12,13 @@ import time
 import pytest
 import yaml
 
+from sn_detection.d2 import trainers
 from sn_detection.engine import compare_norms
 from sn_detection.engine.compare_norms import Setting, parse_setting, plan_runs, scaled_schedule
 from sn_detection.engine.launch import load_cfg
 from sn_detection.engine.trainer import RESULTS_FILE
 from sn_detection.evidence.runs import read_record
+from sn_detection.pretraining import train as pretraining_train
 
 CONFIG = compare_norms.DEFAULT_CONFIG
 # Few iterations of a shrunk model, and an evaluation that takes seconds.
@@ -277,6 +279,50 @@ def test_tiny_finetune_sweep_pretrains_each_backbone_once_and_finetunes_from_it(
     (finished,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Estimated")]
     assert "1 x " in finished and "the median wall time of the 1 finished run(s), / 1 at once" in finished
     assert train_net_calls == []
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_sweep_killed_while_pretraining_a_backbone_resumes_it(tmp_path, train_net_calls, tiny_classification_set,
+                                                                monkeypatch):  # fmt: skip
+    """The backbone trains in a work folder of the sweep's, checkpointed: a sweep killed there continues
+    the backbone from its checkpoint, and the folder goes once the backbone is in the cache."""
+    monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
+    pretraining = [
+        "PRETRAIN.DATA", tiny_classification_set, "PRETRAIN.IMAGE_SIZE", "32", "PRETRAIN.IMS_PER_BATCH", "4",
+        "PRETRAIN.MAX_ITER", "3", "PRETRAIN.WARMUP_ITERS", "1", "PRETRAIN.NUM_WORKERS", "0",
+        "PRETRAIN.BATCH_AVERAGE_BATCHES", "1", "PRETRAIN.CHECKPOINT_PERIOD", "1",
+    ]  # fmt: skip
+    sweep = tmp_path / "sweep"
+    arguments = ["--finetune", "--config-file", CONFIG, "--settings", "SN", "--seeds", "3", "--iters", "1",
+                 "--batch-average-batches", "1", "--output-dir", str(sweep), *TINY, *pretraining]  # fmt: skip
+
+    class InterruptedTrainer(trainers.SimpleTrainer):
+        def run_step(self):
+            if self.iter == 2:
+                raise Interrupted
+            super().run_step()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainers, "SimpleTrainer", InterruptedTrainer)
+        with pytest.raises(Interrupted):
+            compare_norms.main(arguments)
+    (work,) = (sweep / compare_norms.BACKBONE_WORK_FOLDER).iterdir()
+    cache = tmp_path / "cache"
+    assert train_net_calls == [] and not any(name.startswith("resnet") for name in os.listdir(cache))  # none made
+    starts, pretrain = [], pretraining_train.pretrain
+
+    def recorded(cfg, resume=False, output_dir=None):
+        starts.append((resume, output_dir, compare_norms.has_checkpoint(output_dir)))
+        return pretrain(cfg, resume=resume, output_dir=output_dir)
+
+    monkeypatch.setattr(pretraining_train, "pretrain", recorded)
+    assert compare_norms.main(arguments) == 0
+    assert starts == [(True, str(work), True)]  # resumed from the killed attempt's checkpoint
+    assert not work.exists() and len(train_net_calls) == 1
+    assert work.name in train_net_calls[0][train_net_calls[0].index("MODEL.WEIGHTS") + 1]
 
 
 def test_backbone_seeds_pretrain_a_backbone_per_seed_the_configs_seed_the_grids(tmp_path, monkeypatch, capsys):
