@@ -425,7 +425,9 @@ def describe(cfg: CfgNode, config_file: str, cells: Sequence[Cell], target: Opti
         f"{cfg.PRETRAIN.MAX_ITER} iterations in every cell, the config's PRETRAIN recipe with {varied} varied. "
         f"Top-1 on the val split {statistics_text}; in bold each norm's best setting (`best.json`, "
         "which `tools/compare_norms.py --finetune --backbones` reads). Wall time: the grid's attempts at the "
-        f"cell together, on {os.cpu_count()} CPU cores, noisy where other work shared the machine."
+        f"cell together, on {os.cpu_count()} CPU cores, noisy where other work shared the machine. Each cell "
+        f"is one run (SEED {cfg.SEED}): another draw of it (another SEED, thread count or CPU) can land points "
+        "away, so where settings are that close the best is a choice, not a finding."
     )
     if target is not None:
         text += (

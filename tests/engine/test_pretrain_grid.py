@@ -148,6 +148,7 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
 
     table = (output / "results.md").read_text()
     assert published.read_text() == table and "| norm | LR 0.1 | LR 0.2 |" in table
+    assert "Each cell is one run (SEED 1)" in table  # a reader is told what one draw per cell can and cannot show
     with open(output / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(row["norm"], row["setting"]) for row in rows] == [("BN", "LR 0.1"), ("BN", "LR 0.2"), ("GN", "LR 0.1"),
