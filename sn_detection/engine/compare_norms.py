@@ -23,9 +23,10 @@ Choices:
   same idea, is not used on top.
 - **Backbones** (``--finetune``): pretrained with each setting's backbone norm by the config's PRETRAIN
   keys, or with ``--backbones BEST_JSON`` by each norm's PRETRAIN overrides in that file
-  (tools/pretrain_grid.py's best.json; FrozenBN takes BN's), made in the cache if not there yet, one at
-  a time, each in ``OUTPUT_DIR/backbones/<cache folder>`` with checkpoints, so that a sweep killed there
-  resumes the backbone (PRETRAIN.CHECKPOINT_PERIOD); the folder goes once it is cached. Every
+  (tools/pretrain_grid.py's best.json; FrozenBN takes BN's), made in the cache if not there yet before
+  the runs, as the grid makes its cells (``jobs.execute_job``, ``--jobs`` at a time), each in
+  ``OUTPUT_DIR/backbones/<cache folder>`` with checkpoints, so that a sweep killed there resumes the
+  backbone (PRETRAIN.CHECKPOINT_PERIOD); its work folder goes once it is cached. Every
   seed finetunes the one backbone pretrained with the config's SEED, so the spread over seeds is the
   finetuning's only; with ``--backbone-seeds`` seed k finetunes a backbone pretrained with SEED k (the
   config's SEED gives the grid's cell), so that the spread includes the backbone's draw, which moves AP
@@ -56,9 +57,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from detectron2.checkpoint import DetectionCheckpointer
 from detectron2.config import CfgNode
-from torch import nn
 
 from .. import model_zoo
 from ..d2 import norm_layer, valid_norm_names, validate_sn_config
@@ -68,12 +67,20 @@ from ..layers import has_batch_statistics
 from ..pretraining.model import PRETRAINED_AS, pretrained_norm
 from ..pretraining.train import RESULTS_FILE as PRETRAINING_RESULTS_FILE
 from ..pretraining.train import (
-    cached_backbone,
     cached_backbone_folder,
     cached_backbone_path,
     is_cached,
     pretrained_root,
     trained_iterations,
+)
+from .jobs import (
+    JOB_LOG,
+    backbone_command,
+    child_environment,
+    execute_job,
+    has_checkpoint,
+    run_jobs,
+    threads_of,
 )
 from .launch import load_cfg
 from .timing import format_duration, output_file
@@ -83,7 +90,6 @@ logger = logging.getLogger(__name__)
 
 # train_net from the package that runs the sweep (whose root goes first on the runs' import path)
 TRAIN_NET = ("-m", "sn_detection.engine.train_net")
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_CONFIG = os.path.join(model_zoo.CONFIG_DIR, "demo_compare_norms.yaml")
 DEFAULT_SETTINGS = ("BN", "GN", "SN", "DN", "MGN", "SN/GN", "GN/SN")
 # --finetune: the SN paper's Tables 4-5 (BN† is FrozenBN, – no norm) and DN, MGN, each backbone finetuned
@@ -278,7 +284,7 @@ def cached_seconds_per_iteration(norm: str) -> tuple[float, int]:
 
 def print_plan(runs: Sequence[RunSpec], pretraining: dict[tuple[str, int], CfgNode], jobs: int) -> None:
     """What the sweep is about to do and an estimate of its wall time, before it does anything: runs
-    done and to run, backbones to pretrain first (one at a time)."""
+    done and to run, backbones to pretrain first."""
     finished = [read_result(run.folder, RESULTS_FILE) for run in runs if is_finished(run.folder, RESULTS_FILE)]
     todo = len(runs) - len(finished)
     settings, seeds = len({run.setting for run in runs}), len({run.seed for run in runs})
@@ -287,8 +293,8 @@ def print_plan(runs: Sequence[RunSpec], pretraining: dict[tuple[str, int], CfgNo
           f"{len(finished)} done, {todo} to run, --jobs {jobs}.", flush=True)  # fmt: skip
     missing = backbones_to_make(pretraining)
     if missing:
-        print(f"First {len(missing)} backbone(s) not in the cache are pretrained, one at a time on all threads:",
-              flush=True)  # fmt: skip
+        print(f"First {len(missing)} backbone(s) not in the cache are pretrained, {min(jobs, len(missing))} at a "
+              "time:", flush=True)  # fmt: skip
         for config in missing:
             norm, steps = pretrained_norm(config), trained_iterations(config)
             per_iter, count = cached_seconds_per_iteration(norm)
@@ -305,19 +311,31 @@ def print_plan(runs: Sequence[RunSpec], pretraining: dict[tuple[str, int], CfgNo
               f"({basis}).", flush=True)  # fmt: skip
 
 
-def make_backbones(configs: dict[tuple[str, int], CfgNode], output_dir: str) -> None:
-    """Pretrain the backbones of ``backbone_configs`` that are not cached yet, each once, each in a work
-    folder of its own under ``output_dir``/backbones, so that a sweep killed mid-way resumes a backbone
-    from its last checkpoint (PRETRAIN.CHECKPOINT_PERIOD)."""
-    made = set()
-    for (norm, seed), pretraining in configs.items():
-        folder = cached_backbone_folder(pretraining)
-        if folder not in made:
-            logger.info("Backbone for %s (pretraining SEED %d): pretrained with %s (made once, then cached)", norm,
-                        pretraining.SEED, pretrained_norm(pretraining))  # fmt: skip
-            work_dir = os.path.join(output_dir, BACKBONE_WORK_FOLDER, os.path.basename(folder))
-            cached_backbone(pretraining, work_dir=work_dir)
-            made.add(folder)
+def make_backbones(configs: dict[tuple[str, int], CfgNode], output_dir: str, config_file: str, opts: Sequence[str],
+                   best: Optional[dict[str, dict]] = None, jobs: int = 1) -> list[CfgNode]:  # fmt: skip
+    """Pretrain the backbones of ``backbone_configs`` that are not cached yet, each once, as backbone jobs
+    (``jobs.execute_job``), ``jobs`` at a time, in ``output_dir``/backbones/<cache folder>: checkpointed,
+    so that a sweep killed there resumes them. ``config_file``, ``opts`` and ``best`` (``--backbones``) are
+    what the configs were made from. Returns the configs whose backbone failed."""
+
+    def run(config: CfgNode) -> bool:
+        norm, cache = pretrained_norm(config), cached_backbone_folder(config)
+        folder = os.path.join(output_dir, BACKBONE_WORK_FOLDER, os.path.basename(cache))
+        overrides = (best or {}).get(norm, {})
+        logger.info("Backbone %s (pretrained with %s, SEED %d, %d iterations): made once, then cached (log: %s)",
+                    os.path.basename(cache), norm, config.SEED, trained_iterations(config),
+                    os.path.join(folder, JOB_LOG))  # fmt: skip
+        keys = [*opts, *(item for key, value in overrides.items() for item in (key, repr(value))), "SEED", str(config.SEED)]
+        record = {"norm": norm, "overrides": overrides, "seed": config.SEED, "cache_folder": cache}
+        return execute_job(backbone_command(config_file, keys, norm, folder, cache), folder, record, jobs)
+
+    def name(config: CfgNode) -> str:
+        return os.path.basename(cached_backbone_folder(config))
+
+    def log_of(config: CfgNode) -> str:
+        return os.path.join(output_dir, BACKBONE_WORK_FOLDER, name(config), JOB_LOG)
+
+    return run_jobs(backbones_to_make(configs), run, jobs, done=is_cached, name=name, log_of=log_of)
 
 
 def plan_runs(
@@ -381,34 +399,6 @@ def check_folders(runs: Sequence[RunSpec]) -> None:
                 f"{' '.join(record['train_args'])}\ninstead of\n  {' '.join(run.train_args)}\n"
                 "use another --output-dir, or remove that folder to run it again"
             )
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def child_environment(jobs: int = 1) -> dict:
-    """The environment of a train_net run: this one, with this sn_detection first on the import path,
-    so that the run uses the same package as the sweep even where it is not installed, and with
-    ``jobs`` runs at once, its share of the threads (``OMP_NUM_THREADS``, else the usable cores)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
-    if jobs > 1:
-        env["OMP_NUM_THREADS"] = str(max(1, threads_of(env) // jobs))
-    return env
-
-
-def threads_of(env: dict) -> int:
-    """The intra-op threads torch starts with in ``env``. Recorded with every attempt: on the CPU a run is
-    the same bit for bit only at the same thread count (and CPU); another one sums in another order and
-    trains a run as different as another seed's."""
-    return int(env.get("OMP_NUM_THREADS") or usable_cores())
-
-
-def has_checkpoint(folder: str) -> bool:
-    """Whether train_net's --resume would continue from a checkpoint in ``folder`` (asked of detectron2's
-    checkpointer, which needs a model to be built; an empty one does)."""
-    return DetectionCheckpointer(nn.Module(), save_dir=folder).has_checkpoint()
 
 
 def execute(run: RunSpec, jobs: int = 1) -> bool:
@@ -673,7 +663,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.plan_only:
         return 0
     if not args.report_only:
-        make_backbones(pretraining, args.output_dir)
+        failed_backbones = make_backbones(pretraining, os.path.abspath(args.output_dir), os.path.abspath(args.config_file),
+                                          args.opts, args.backbone_settings, args.jobs)  # fmt: skip
+        if failed_backbones:
+            raise SystemExit("compare_norms: error: a backbone's pretraining failed (its log is named above); the runs "
+                             "that start from it cannot run")  # fmt: skip
 
     def write():
         return write_outputs(runs, args.output_dir, description, args.publish)

@@ -16,13 +16,13 @@ cell). FrozenBN is pretrained as BN (``pretrained_norm``), so it is the BN cell.
   lands in the verified backbone cache (``cached_backbone``) under the key the finetune sweep reads. A
   cell is done when its backbone is in the cache, whoever made it: backbones made earlier by the
   finetune sweep or ``make demo`` count.
-- **A subprocess per cell** (as compare_norms' runs), ``--jobs N`` at once with the threads split
-  (``compare_norms.child_environment``). Each pretrains in a stable work folder of its own,
-  ``OUTPUT_DIR/cells/<cell>/training``, with ``resume``: a cell killed mid-way continues from its last
-  checkpoint (PRETRAIN.CHECKPOINT_PERIOD) when the same command runs again; a finished one moves into
-  the cache whole, and its work folder is removed. ``cell.json`` records what the cell is (its cache
-  folder) and every attempt (wall time, exit status, resumed or not); a cell folder planned for another
-  cache folder (another config, budget or override) is refused before anything runs.
+- **A backbone job per cell** (``sn_detection.engine.jobs``: a subprocess, ``--jobs N`` at once with
+  the threads split) in ``OUTPUT_DIR/cells/<cell>``: it pretrains in ``training/`` with ``resume``, so
+  a cell killed mid-way continues from its last checkpoint (PRETRAIN.CHECKPOINT_PERIOD) when the same
+  command runs again; a finished one moves into the cache whole, and its work folder is removed.
+  ``cell.json`` records what the cell is (its cache folder) and every attempt (wall time, exit status,
+  resumed or not, threads); a cell folder planned for another cache folder (another config, budget or
+  override) is refused before anything runs.
 - **The estimate**, printed before anything runs: cells done and to run, and the wall time of those to
   run: per cell, seconds per iteration x PRETRAIN.MAX_ITER, summed and divided by the jobs. A norm's
   seconds per iteration are the median of detectron2's per-iteration time (metrics.json) over its
@@ -64,10 +64,7 @@ import logging
 import math
 import os
 import statistics
-import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -77,24 +74,31 @@ from .. import model_zoo
 from ..d2 import valid_norm_names
 from ..pretraining.model import PRETRAINED_AS
 from ..pretraining.train import (
-    LOG_PERIOD, RESULTS_FILE, cached_backbone, cached_backbone_folder, cached_backbone_path, is_cached,
+    LOG_PERIOD, RESULTS_FILE, cached_backbone_folder, cached_backbone_path, is_cached,
     trained_iterations,
 )  # fmt: skip
-from .compare_norms import child_environment, config_label, has_checkpoint, threads_of, with_pretrain_overrides
+from .compare_norms import config_label, with_pretrain_overrides
+from .jobs import (
+    JOB_LOG,
+    backbone_command,
+    child_environment,
+    execute_job,
+    read_job_record,
+    read_json,
+    run_jobs,
+    threads_of,
+    write_json,
+)
 from .launch import load_cfg
 from .timing import format_duration, output_file
 
 logger = logging.getLogger(__name__)
 
-GRID_MODULE = ("-m", "sn_detection.engine.pretrain_grid")
 DEFAULT_CONFIG = os.path.join(model_zoo.CONFIG_DIR, "demo_finetune_norms.yaml")
 DEFAULT_NORMS = ("BN", "GN", "SN", "DN", "MGN")
 DEFAULT_LRS = (0.05, 0.1, 0.2, 0.4)
 DEFAULT_OUTPUT_DIR = os.path.join("output", "pretrain_grid")
 DEFAULT_ESTIMATE_STEPS = 3
-CELL_RECORD = "cell.json"
-CELL_LOG = "pretrain.log"
-WORK_FOLDER = "training"
 METRICS_FILE = "metrics.json"
 TABLE_FILE, CSV_FILE, JSON_FILE, BEST_FILE = "results.md", "results.csv", "results.json", "best.json"
 EQUAL_FILE = "equal_top1.json"
@@ -178,25 +182,10 @@ def cell_folder(output_dir: str, cell: Cell) -> str:
     return os.path.abspath(os.path.join(output_dir, "cells", cell.name))
 
 
-def read_json(path: str):
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def write_json(path: str, value) -> None:
-    """Atomically: an interrupted grid never leaves half a file."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(value, f, indent=2)
-    os.replace(path + ".tmp", path)
-
-
 def check_cell_folders(output_dir: str, cells: Sequence[Cell], configs: dict) -> None:
     """Fail before anything runs if a cell folder holds a cell of another cache folder."""
     for cell in cells:
-        record = read_json(os.path.join(cell_folder(output_dir, cell), CELL_RECORD))
+        record = read_job_record(cell_folder(output_dir, cell))
         planned = cached_backbone_folder(configs[cell])
         if record is not None and record["cache_folder"] != planned:
             raise ValueError(
@@ -239,8 +228,8 @@ def cell_result(output_dir: str, cell: Cell, cfg: CfgNode, target: Optional[floa
     cache = cached_backbone_folder(cfg)
     results = read_json(os.path.join(cache, RESULTS_FILE))
     folder = cell_folder(output_dir, cell)
-    record = read_json(os.path.join(folder, CELL_RECORD))
-    attempts = close_interrupted_attempts(record, os.path.join(folder, CELL_LOG))["attempts"] if record else []
+    record = read_job_record(folder)
+    attempts = record["attempts"] if record else []
     curve = top1_curve(os.path.join(cache, METRICS_FILE), results["iterations"])
     result = {
         "norm": cell.norm,
@@ -345,70 +334,20 @@ def threads_per_job(jobs: int) -> int:
 # -- running the cells -------------------------------------------------------------------------------
 
 
-def cell_command(config_file: str, opts: Sequence[str], cell: Cell, folder: str, expected_cache: str) -> list[str]:
-    return [
-        sys.executable, *GRID_MODULE, "--cell", "--work-dir", os.path.join(folder, WORK_FOLDER),
-        "--expect-cache", expected_cache, "--norm", cell.norm, "--config-file", config_file,
-        *opts, *cell.override_list(),
-    ]  # fmt: skip
-
-
-def close_interrupted_attempts(record: dict, log_path: str) -> dict:
-    """Attempts that never saw their end (the grid was killed with them) ended at the cell log's last
-    change, where their output stopped: their wall time is counted up to there."""
-    for attempt in record["attempts"]:
-        if attempt["wall_s"] is None:
-            ended = os.path.getmtime(log_path) if os.path.isfile(log_path) else attempt["started"]
-            attempt.update(wall_s=round(max(0.0, ended - attempt["started"]), 1), interrupted=True)
-    return record
-
-
-def execute_cell(command: list[str], folder: str, cell: Cell, cache_folder: str, jobs: int) -> bool:
-    """Run (or resume) one cell in a subprocess, its output into the cell folder's log; every attempt is
-    recorded as it starts, so that one cut off with the grid still counts. Returns whether its backbone
-    is in the cache."""
-    path, log_path = os.path.join(folder, CELL_RECORD), os.path.join(folder, CELL_LOG)
-    record = read_json(path) or {"norm": cell.norm, "overrides": dict(cell.overrides), "cache_folder": cache_folder,
-                                 "attempts": []}  # fmt: skip
-    close_interrupted_attempts(record, log_path)
-    env = child_environment(jobs)
-    attempt = {"started": round(time.time(), 1), "wall_s": None, "returncode": None,
-               "resumed": has_checkpoint(os.path.join(folder, WORK_FOLDER)), "threads": threads_of(env)}  # fmt: skip
-    record["attempts"].append(attempt)
-    write_json(path, record)
-    start, returncode = time.perf_counter(), None
-    try:
-        with open(log_path, "a") as log:
-            returncode = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    finally:
-        attempt.update(wall_s=round(time.perf_counter() - start, 1), returncode=returncode)
-        write_json(path, record)
-    return returncode == 0
-
-
 def run_cells(todo, output_dir, config_file, opts, configs, jobs: int, after_each=None) -> list[Cell]:
-    """Runs the cells ``todo``, ``jobs`` at a time in order; returns those that failed."""
-    failed = []
+    """Runs the cells ``todo`` as backbone jobs (``jobs.execute_job``), ``jobs`` at a time in order;
+    returns those that failed."""
 
     def run(cell: Cell) -> bool:
-        folder = cell_folder(output_dir, cell)
-        cache = cached_backbone_folder(configs[cell])
+        folder, cache = cell_folder(output_dir, cell), cached_backbone_folder(configs[cell])
         logger.info("%s: pretraining %d iterations (log: %s)", cell.name, trained_iterations(configs[cell]),
-                    os.path.join(folder, CELL_LOG))  # fmt: skip
-        return execute_cell(cell_command(config_file, opts, cell, folder, cache), folder, cell, cache, jobs)
+                    os.path.join(folder, JOB_LOG))  # fmt: skip
+        command = backbone_command(config_file, [*opts, *cell.override_list()], cell.norm, folder, cache)
+        record = {"norm": cell.norm, "overrides": dict(cell.overrides), "cache_folder": cache}
+        return execute_job(command, folder, record, jobs)
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(run, cell): cell for cell in todo}
-        for future in as_completed(futures):
-            cell = futures[future]
-            if future.result() and is_cached(configs[cell]):
-                logger.info("%s: done, backbone in %s", cell.name, cached_backbone_folder(configs[cell]))
-            else:
-                failed.append(cell)
-                logger.error("%s: failed, see %s", cell.name, os.path.join(cell_folder(output_dir, cell), CELL_LOG))
-            if after_each is not None:
-                after_each()
-    return [cell for cell in todo if cell in failed]
+    return run_jobs(todo, run, jobs, done=lambda cell: is_cached(configs[cell]), name=lambda cell: cell.name,
+                    log_of=lambda cell: os.path.join(cell_folder(output_dir, cell), JOB_LOG), after_each=after_each)
 
 
 # -- the outputs -------------------------------------------------------------------------------------
@@ -606,8 +545,6 @@ def plan(args) -> tuple[CfgNode, list[Cell], dict]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Returns the exit status: 1 if a cell failed."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--cell"]:
-        return cell_main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s pretrain_grid] %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
     try:
@@ -698,28 +635,6 @@ def print_estimate(what: str, todo: Sequence[Cell], results: dict, configs: dict
           "included. s/iter per norm:", flush=True)  # fmt: skip
     for norm, (per_iter, source) in basis.items():
         print(f"  {norm}: {per_iter:.3f} s/iter ({source})", flush=True)
-
-
-def cell_main(argv: Sequence[str]) -> int:
-    """One cell, in its own process: the backbone of the config with the norm and the overrides, made in
-    the work folder (resumed) and moved into the cache; refused if its cache folder is not the planned."""
-    parser = argparse.ArgumentParser(prog="pretrain_grid --cell")
-    parser.add_argument("--work-dir", required=True)
-    parser.add_argument("--expect-cache", required=True)
-    parser.add_argument("--norm", required=True)
-    parser.add_argument("--config-file", required=True)
-    parser.add_argument("opts", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
-    from detectron2.utils.logger import setup_logger
-
-    setup_logger(name="detectron2")
-    setup_logger(name="sn_detection")
-    cfg = load_cfg(args.config_file, [*args.opts, "MODEL.RESNETS.NORM", args.norm])
-    if cached_backbone_folder(cfg) != args.expect_cache:
-        raise SystemExit(f"pretrain_grid --cell: the cell's cache folder {cached_backbone_folder(cfg)} is not the "
-                         f"planned {args.expect_cache}")  # fmt: skip
-    print(cached_backbone(cfg, work_dir=args.work_dir))
-    return 0
 
 
 if __name__ == "__main__":

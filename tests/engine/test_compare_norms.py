@@ -106,7 +106,8 @@ def train_net_calls(monkeypatch):
     calls, call = [], subprocess.call
 
     def counting_call(command, **kwargs):
-        calls.append(command)
+        if "sn_detection.engine.train_net" in command:  # not the backbones' pretraining
+            calls.append(command)
         return call(command, **kwargs)
 
     monkeypatch.setattr(compare_norms.subprocess, "call", counting_call)
@@ -287,8 +288,8 @@ class Interrupted(Exception):
 
 def test_a_sweep_killed_while_pretraining_a_backbone_resumes_it(tmp_path, train_net_calls, tiny_classification_set,
                                                                 monkeypatch):  # fmt: skip
-    """The backbone trains in a work folder of the sweep's, checkpointed: a sweep killed there continues
-    the backbone from its checkpoint, and the folder goes once the backbone is in the cache."""
+    """The backbone trains as a backbone job in the sweep's folder, checkpointed: a sweep killed there
+    continues the backbone from its checkpoint, and the work folder goes once the backbone is cached."""
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
     pretraining = [
         "PRETRAIN.DATA", tiny_classification_set, "PRETRAIN.IMAGE_SIZE", "32", "PRETRAIN.IMS_PER_BATCH", "4",
@@ -298,7 +299,10 @@ def test_a_sweep_killed_while_pretraining_a_backbone_resumes_it(tmp_path, train_
     sweep = tmp_path / "sweep"
     arguments = ["--finetune", "--config-file", CONFIG, "--settings", "SN", "--seeds", "3", "--iters", "1",
                  "--batch-average-batches", "1", "--output-dir", str(sweep), *TINY, *pretraining]  # fmt: skip
+    config = compare_norms.pretraining_configs(load_cfg(CONFIG, [*TINY, *pretraining]), [Setting("SN", "SN")])["SN"]
+    folder = sweep / compare_norms.BACKBONE_WORK_FOLDER / os.path.basename(compare_norms.cached_backbone_folder(config))
 
+    # the sweep was killed at the backbone's iteration 2, after its checkpoint at iteration 1
     class InterruptedTrainer(trainers.SimpleTrainer):
         def run_step(self):
             if self.iter == 2:
@@ -308,21 +312,13 @@ def test_a_sweep_killed_while_pretraining_a_backbone_resumes_it(tmp_path, train_
     with monkeypatch.context() as patch:
         patch.setattr(trainers, "SimpleTrainer", InterruptedTrainer)
         with pytest.raises(Interrupted):
-            compare_norms.main(arguments)
-    (work,) = (sweep / compare_norms.BACKBONE_WORK_FOLDER).iterdir()
-    cache = tmp_path / "cache"
-    assert train_net_calls == [] and not any(name.startswith("resnet") for name in os.listdir(cache))  # none made
-    starts, pretrain = [], pretraining_train.pretrain
-
-    def recorded(cfg, resume=False, output_dir=None):
-        starts.append((resume, output_dir, compare_norms.has_checkpoint(output_dir)))
-        return pretrain(cfg, resume=resume, output_dir=output_dir)
-
-    monkeypatch.setattr(pretraining_train, "pretrain", recorded)
+            pretraining_train.pretrain(config, resume=True, output_dir=str(folder / "training"))
     assert compare_norms.main(arguments) == 0
-    assert starts == [(True, str(work), True)]  # resumed from the killed attempt's checkpoint
-    assert not work.exists() and len(train_net_calls) == 1
-    assert work.name in train_net_calls[0][train_net_calls[0].index("MODEL.WEIGHTS") + 1]
+    (attempt,) = json.loads((folder / "cell.json").read_text())["attempts"]
+    assert attempt["resumed"] and attempt["returncode"] == 0
+    assert "iterations 2-3" in (folder / "pretrain.log").read_text()  # continued, not started over
+    assert not (folder / "training").exists() and compare_norms.is_cached(config)
+    assert len(train_net_calls) == 1 and compare_norms.cached_backbone_path(config) in train_net_calls[0]
 
 
 def test_backbone_seeds_pretrain_a_backbone_per_seed_the_configs_seed_the_grids(tmp_path, monkeypatch, capsys):

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from sn_detection.d2 import trainers
-from sn_detection.engine import compare_norms, pretrain_grid
+from sn_detection.engine import compare_norms, jobs, pretrain_grid
 from sn_detection.engine.launch import load_cfg
 from sn_detection.engine.pretrain_grid import Cell, cell_cfg, iterations_to_reach, plan_cells, top1_curve
 from sn_detection.pretraining import train as pretraining_train
@@ -131,7 +131,7 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     calls, call = [], subprocess.call
-    monkeypatch.setattr(pretrain_grid.subprocess, "call", lambda command, **kw: calls.append(command) or call(command, **kw))
+    monkeypatch.setattr(jobs.subprocess, "call", lambda command, **kw: calls.append(command) or call(command, **kw))
     output, published = tmp_path / "grid", tmp_path / "grid.md"
     options = ["--norms", "BN,GN", "--lrs", "0.1,0.2", "--jobs", "2", "--target-top1", "1", "--output-dir", str(output),
                "--publish", str(published)]  # fmt: skip
@@ -256,7 +256,7 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
         patch.setattr(pretraining_train, "top1", lambda *args: next(values))
         cached_backbone(cell_cfg(cfg, grid_cell))
     calls, call = [], subprocess.call
-    monkeypatch.setattr(pretrain_grid.subprocess, "call", lambda command, **kw: calls.append(command) or call(command, **kw))
+    monkeypatch.setattr(jobs.subprocess, "call", lambda command, **kw: calls.append(command) or call(command, **kw))
     output = tmp_path / "grid"
 
     def grid(target):
