@@ -1,0 +1,49 @@
+"""sn_detection.engine.jobs: a backbone job makes only the planned backbone, and every attempt at a job
+is recorded, a cut-off one up to its output's end. (Jobs that pretrain are run end to end by the grid's
+and the finetune sweep's tests.)"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from sn_detection.engine import jobs
+from sn_detection.engine.compare_norms import DEFAULT_FINETUNE_CONFIG
+
+
+def test_a_backbone_job_refuses_a_config_whose_cache_folder_is_not_the_planned(tmp_path, monkeypatch):
+    monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
+    work = tmp_path / "job" / jobs.WORK_FOLDER
+    planned = str(tmp_path / "cache" / "resnet18-BN-000000000000")
+    arguments = ["--work-dir", str(work), "--expect-cache", planned, "--norm", "BN", "--config-file",
+                 DEFAULT_FINETUNE_CONFIG, "PRETRAIN.BASE_LR", "0.1"]  # fmt: skip
+    # as the tools start it: a subprocess (whose loggers are its own)
+    job = subprocess.run([sys.executable, *jobs.JOB_MODULE, *arguments], env=jobs.child_environment(),
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert job.returncode != 0
+    assert re.search(r"the config's cache folder .*resnet18-BN-\w+ is not the planned .*000000000000", job.stderr)
+    assert not work.exists() and not (tmp_path / "cache").exists()  # nothing trained, nothing cached
+
+
+def test_every_attempt_is_recorded_with_its_threads_and_a_cut_off_one_up_to_its_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    folder = str(tmp_path / "job")
+    failing = [sys.executable, "-c", "import os, sys; print('threads', os.environ['OMP_NUM_THREADS']); sys.exit(3)"]
+    assert not jobs.execute_job(failing, folder, {"norm": "BN"}, jobs=2)
+    record = jobs.read_job_record(folder)
+    (attempt,) = record["attempts"]
+    assert record["norm"] == "BN" and attempt["returncode"] == 3 and attempt["threads"] == 2
+    assert not attempt["resumed"] and attempt["wall_s"] is not None
+    assert "threads 2" in open(os.path.join(folder, jobs.JOB_LOG)).read()  # its share of the threads
+
+    # a parent killed with its job never closed the attempt: it ends where the log stopped changing
+    path = os.path.join(folder, jobs.JOB_RECORD)
+    log_changed = os.path.getmtime(os.path.join(folder, jobs.JOB_LOG))
+    record["attempts"].append({"started": log_changed - 7.5, "wall_s": None, "returncode": None, "resumed": False})
+    with open(path, "w") as f:
+        json.dump(record, f)
+    assert jobs.execute_job([sys.executable, "-c", "pass"], folder, {"norm": "other"}, jobs=1)
+    first, cut_off, last = jobs.read_job_record(folder)["attempts"]
+    assert cut_off["interrupted"] and cut_off["wall_s"] == 7.5
+    assert last["returncode"] == 0 and last["threads"] == 4 and jobs.read_job_record(folder)["norm"] == "BN"
