@@ -62,7 +62,16 @@ from detectron2.config import CfgNode
 from .. import model_zoo
 from ..d2 import norm_layer, valid_norm_names, validate_sn_config
 from ..evidence import plots, report
-from ..evidence.runs import METRICS_FILE, RunResult, is_finished, loss_curve, read_record, read_result, write_record
+from ..evidence.runs import (
+    METRICS_FILE,
+    RunResult,
+    initial_weights,
+    is_finished,
+    loss_curve,
+    read_record,
+    read_result,
+    write_record,
+)
 from ..layers import has_batch_statistics
 from ..pretraining.model import PRETRAINED_AS, pretrained_norm
 from ..pretraining.train import RESULTS_FILE as PRETRAINING_RESULTS_FILE
@@ -80,6 +89,7 @@ from .jobs import (
     execute_job,
     has_checkpoint,
     run_jobs,
+    seconds_per_iteration,
     threads_of,
 )
 from .launch import load_cfg
@@ -211,6 +221,12 @@ def pretraining_configs(
     return configs
 
 
+def override_list(overrides: dict) -> list[str]:
+    """PRETRAIN ``overrides`` (key -> value) as KEY VALUE arguments of a subprocess's config, each value
+    written so that the config parses it back to the value ``with_pretrain_overrides`` merges."""
+    return [item for key, value in overrides.items() for item in (key, repr(value))]
+
+
 def with_pretrain_overrides(cfg, norm: str, overrides: dict) -> CfgNode:
     """``cfg`` with MODEL.RESNETS.NORM ``norm`` and the PRETRAIN ``overrides`` (key -> value): how both this
     sweep and tools/pretrain_grid.py make a pretraining config, so that their cache keys agree."""
@@ -269,16 +285,13 @@ def backbones_to_make(configs: dict[tuple[str, int], CfgNode]) -> list[CfgNode]:
     return list(missing.values())
 
 
-def cached_seconds_per_iteration(norm: str) -> tuple[float, int]:
+def cached_seconds_per_iteration(config: CfgNode) -> tuple[float, int]:
     """(median pretraining seconds per iteration, how many backbones it is the median of) over the cached
-    backbones pretrained with ``norm`` (their results.json); NaN and 0 if there is none."""
-    pattern = os.path.join(pretrained_root(), f"resnet*-{norm}-*", PRETRAINING_RESULTS_FILE)
-    measured = []
-    for path in glob.glob(pattern):
-        with open(path) as f:
-            results = json.load(f)
-        if results.get("iterations") and results.get("train_seconds"):
-            measured.append(results["train_seconds"] / results["iterations"])
+    backbones of ``config``'s depth and pretrained norm (each its metrics.json's median); NaN and 0 if
+    there is none."""
+    name = f"resnet{config.MODEL.RESNETS.DEPTH}-{pretrained_norm(config)}-*"
+    measured = [seconds_per_iteration(path) for path in glob.glob(os.path.join(pretrained_root(), name, METRICS_FILE))]
+    measured = [seconds for seconds in measured if not math.isnan(seconds)]
     return (statistics.median(measured), len(measured)) if measured else (math.nan, 0)
 
 
@@ -297,7 +310,7 @@ def print_plan(runs: Sequence[RunSpec], pretraining: dict[tuple[str, int], CfgNo
               "time:", flush=True)  # fmt: skip
         for config in missing:
             norm, steps = pretrained_norm(config), trained_iterations(config)
-            per_iter, count = cached_seconds_per_iteration(norm)
+            per_iter, count = cached_seconds_per_iteration(config)
             basis = (f"{per_iter:.2f} s/iter, the median of {count} cached {norm} backbone(s)' training time"
                      if count else f"no cached {norm} backbone to estimate from")  # fmt: skip
             print(f"  {norm}, SEED {config.SEED}, {steps} iterations: {format_duration(per_iter * steps)} "
@@ -318,24 +331,23 @@ def make_backbones(configs: dict[tuple[str, int], CfgNode], output_dir: str, con
     so that a sweep killed there resumes them. ``config_file``, ``opts`` and ``best`` (``--backbones``) are
     what the configs were made from. Returns the configs whose backbone failed."""
 
-    def run(config: CfgNode) -> bool:
-        norm, cache = pretrained_norm(config), cached_backbone_folder(config)
-        folder = os.path.join(output_dir, BACKBONE_WORK_FOLDER, os.path.basename(cache))
-        overrides = (best or {}).get(norm, {})
-        logger.info("Backbone %s (pretrained with %s, SEED %d, %d iterations): made once, then cached (log: %s)",
-                    os.path.basename(cache), norm, config.SEED, trained_iterations(config),
-                    os.path.join(folder, JOB_LOG))  # fmt: skip
-        keys = [*opts, *(item for key, value in overrides.items() for item in (key, repr(value))), "SEED", str(config.SEED)]
-        record = {"norm": norm, "overrides": overrides, "seed": config.SEED, "cache_folder": cache}
-        return execute_job(backbone_command(config_file, keys, norm, folder, cache), folder, record, jobs)
-
     def name(config: CfgNode) -> str:
         return os.path.basename(cached_backbone_folder(config))
 
-    def log_of(config: CfgNode) -> str:
-        return os.path.join(output_dir, BACKBONE_WORK_FOLDER, name(config), JOB_LOG)
+    def folder_of(config: CfgNode) -> str:
+        return os.path.join(output_dir, BACKBONE_WORK_FOLDER, name(config))
 
-    return run_jobs(backbones_to_make(configs), run, jobs, done=is_cached, name=name, log_of=log_of)
+    def run(config: CfgNode) -> bool:
+        norm, cache, folder = pretrained_norm(config), cached_backbone_folder(config), folder_of(config)
+        overrides = (best or {}).get(norm, {})
+        logger.info("Backbone %s (pretrained with %s, SEED %d, %d iterations): made once, then cached (log: %s)",
+                    name(config), norm, config.SEED, trained_iterations(config), os.path.join(folder, JOB_LOG))  # fmt: skip
+        keys = [*opts, *override_list(overrides), "SEED", str(config.SEED)]
+        record = {"norm": norm, "overrides": overrides, "seed": config.SEED, "cache_folder": cache}
+        return execute_job(backbone_command(config_file, keys, norm, folder, cache), folder, record, jobs)
+
+    return run_jobs(backbones_to_make(configs), run, jobs, done=is_cached, name=name,
+                    log_of=lambda config: os.path.join(folder_of(config), JOB_LOG))  # fmt: skip
 
 
 def plan_runs(
@@ -514,8 +526,8 @@ def describe(
         "it replaces the moving average, as detectron2's PreciseBN would); *–*: the setting has none. "
         "s/iter (median over training) and min/run (start-up, training, batch average and evaluation) are "
         f"wall-clock times on {os.cpu_count()} CPU cores, noisy where other work shared the machine."
-        + (" *Backbone top-1*: the val top-1 of the pretrained backbone the runs started from (one figure where "
-           "every seed started from the same one)." if finetuned else "")
+        + (" *Backbone top-1*, where known: the val top-1 of the pretrained backbone the runs started from (one "
+           "figure where every seed started from the same one)." if finetuned else "")
     )
 
 
@@ -662,17 +674,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print_plan(runs, pretraining, args.jobs)
     if args.plan_only:
         return 0
+    failed, runnable = [], runs
     if not args.report_only:
         failed_backbones = make_backbones(pretraining, os.path.abspath(args.output_dir), os.path.abspath(args.config_file),
                                           args.opts, args.backbone_settings, args.jobs)  # fmt: skip
-        if failed_backbones:
-            raise SystemExit("compare_norms: error: a backbone's pretraining failed (its log is named above); the runs "
-                             "that start from it cannot run")  # fmt: skip
+        missing = {cached_backbone_path(config) for config in failed_backbones}
+        failed = [run for run in runs if initial_weights(run.train_args) in missing]
+        runnable = [run for run in runs if run not in failed]
+        if failed:
+            logger.error("not run, their backbone failed (its log is named above): %s",
+                         ", ".join(f"{run.setting.name} seed {run.seed}" for run in failed))  # fmt: skip
 
     def write():
         return write_outputs(runs, args.output_dir, description, args.publish)
 
-    failed = [] if args.report_only else run_sweep(runs, report_after_each=write, jobs=args.jobs)
+    failed += [] if args.report_only else run_sweep(runnable, report_after_each=write, jobs=args.jobs)
     results = write()
     logger.info("%d of %d runs finished; results in %s", len(results), len(runs), args.output_dir)
     if failed:

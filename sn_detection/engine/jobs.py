@@ -1,6 +1,6 @@
 """The work the evidence tools run in subprocesses, ``jobs`` at a time on a share of the threads each:
-train_net runs (tools/compare_norms.py) and pretrained backbones, the cells of tools/pretrain_grid.py and
-the backbones a finetune sweep lacks.
+the environment and thread share of every such subprocess (tools/compare_norms.py's train_net runs too),
+and backbone jobs, which make the cells of tools/pretrain_grid.py and the backbones a finetune sweep lacks.
 
 A backbone job is one backbone of the cache (``sn_detection.pretraining.train.cached_backbone``) and a folder of its
 own: ``training/`` (the work folder, checkpointed every PRETRAIN.CHECKPOINT_PERIOD iterations, so that a
@@ -9,9 +9,9 @@ cache), ``pretrain.log`` (its output, appended by every attempt) and ``cell.json
 every attempt: start, wall time, exit status, resumed or not, threads). An attempt is recorded as it
 starts, so that one cut off with its parent still counts: its wall time ends at the log's last change.
 
-Its subprocess is ``python -m sn_detection.engine.jobs --norm N --config-file F [KEY VALUE ...]`` with the
-planned cache folder: it loads the config as the parent did and refuses to train if its cache
-folder is another, so a job never makes a backbone other than the one planned.
+Its subprocess is ``python -m sn_detection.engine.jobs --work-dir W --expect-cache C --norm N --config-file
+F [KEY VALUE ...]``: it loads the config as the parent did and refuses to train if its cache folder is
+not C, so a job never makes a backbone other than the one planned.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -36,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 JOB_MODULE = ("-m", "sn_detection.engine.jobs")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-JOB_RECORD = "cell.json"  # named after the grid's cells, the first jobs
+JOB_RECORD = "cell.json"  # the name the grid's cell folders already hold
 JOB_LOG = "pretrain.log"
 WORK_FOLDER = "training"
 
@@ -83,6 +85,16 @@ def write_json(path: str, value) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(value, f, indent=2)
     os.replace(path + ".tmp", path)
+
+
+def seconds_per_iteration(metrics_path: str) -> float:
+    """The median of detectron2's per-iteration time in a pretraining's metrics.json (the whole step,
+    data loading included; every attempt's, where it was resumed); NaN without one."""
+    if not os.path.isfile(metrics_path):
+        return math.nan
+    with open(metrics_path) as f:
+        times = [row["time"] for row in map(json.loads, filter(str.strip, f)) if "time" in row]
+    return statistics.median(times) if times else math.nan
 
 
 def backbone_command(config_file: str, opts: Sequence[str], norm: str, folder: str, expected_cache: str) -> list[str]:

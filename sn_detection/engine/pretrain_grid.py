@@ -77,7 +77,7 @@ from ..pretraining.train import (
     LOG_PERIOD, RESULTS_FILE, cached_backbone_folder, cached_backbone_path, is_cached,
     trained_iterations,
 )  # fmt: skip
-from .compare_norms import config_label, with_pretrain_overrides
+from .compare_norms import config_label, override_list, with_pretrain_overrides
 from .jobs import (
     JOB_LOG,
     backbone_command,
@@ -86,6 +86,7 @@ from .jobs import (
     read_job_record,
     read_json,
     run_jobs,
+    seconds_per_iteration,
     threads_of,
     write_json,
 )
@@ -122,9 +123,6 @@ class Cell:
     def name(self) -> str:
         short = {"PRETRAIN.BASE_LR": "lr", "PRETRAIN.WARMUP_ITERS": "warmup", "PRETRAIN.STOP_ITER": "stop"}
         return "-".join([self.norm, *(f"{short.get(key, key)}{value}" for key, value in self.overrides)])
-
-    def override_list(self) -> list[str]:
-        return [item for key, value in self.overrides for item in (key, repr(value))]
 
 
 def parse_norms(text: str) -> list[str]:
@@ -210,15 +208,6 @@ def top1_curve(metrics_path: str, max_iter: int) -> list[tuple[int, float]]:
 def iterations_to_reach(curve: Sequence[tuple[int, float]], target: float) -> Optional[int]:
     """The first evaluated iteration count whose top-1 is at least ``target``; None: not reached."""
     return next((iterations for iterations, top1 in curve if top1 >= target), None)
-
-
-def seconds_per_iteration(metrics_path: str) -> float:
-    """The median of detectron2's per-iteration time (the whole step, data loading included)."""
-    if not os.path.isfile(metrics_path):
-        return math.nan
-    with open(metrics_path) as f:
-        times = [row["time"] for row in map(json.loads, filter(str.strip, f)) if "time" in row]
-    return statistics.median(times) if times else math.nan
 
 
 def cell_result(output_dir: str, cell: Cell, cfg: CfgNode, target: Optional[float]) -> Optional[dict]:
@@ -342,7 +331,7 @@ def run_cells(todo, output_dir, config_file, opts, configs, jobs: int, after_eac
         folder, cache = cell_folder(output_dir, cell), cached_backbone_folder(configs[cell])
         logger.info("%s: pretraining %d iterations (log: %s)", cell.name, trained_iterations(configs[cell]),
                     os.path.join(folder, JOB_LOG))  # fmt: skip
-        command = backbone_command(config_file, [*opts, *cell.override_list()], cell.norm, folder, cache)
+        command = backbone_command(config_file, [*opts, *override_list(dict(cell.overrides))], cell.norm, folder, cache)
         record = {"norm": cell.norm, "overrides": dict(cell.overrides), "cache_folder": cache}
         return execute_job(command, folder, record, jobs)
 

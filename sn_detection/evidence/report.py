@@ -89,10 +89,11 @@ def statistics_label(batch_average: int) -> str:
 
 
 def format_top1(mean: float, std: float) -> str:
-    """A backbone top-1 over the seeds: one figure where every seed had the same backbone."""
+    """A backbone top-1 over the seeds: one figure where every seed had the same backbone (a spread of
+    rounding error only: the mean of equal values need not be exactly that value)."""
     if math.isnan(mean):
         return "–"
-    return f"{mean:.1f} %" if math.isnan(std) or std == 0 else f"{mean:.1f} ± {std:.1f} %"
+    return f"{mean:.1f} %" if math.isnan(std) or std <= 1e-9 * max(1.0, abs(mean)) else f"{mean:.1f} ± {std:.1f} %"
 
 
 def markdown_table(summaries: Sequence[SettingSummary]) -> str:

@@ -14,6 +14,7 @@ import math
 import os
 import statistics
 from dataclasses import dataclass
+from typing import Sequence
 
 RUN_RECORD = "sweep_run.json"
 # what detectron2's JSONWriter writes into OUTPUT_DIR
@@ -119,14 +120,22 @@ def read_result(folder: str, results_file: str, backbone_results_file: str | Non
     )
 
 
-def _backbone_top1(train_args: list[str], backbone_results_file: str | None) -> float:
-    """``val_top1`` of the results file beside the run's MODEL.WEIGHTS (the last one given wins, as in
-    detectron2's merge); NaN without weights, or where no such file is."""
+def initial_weights(train_args: Sequence[str]) -> str | None:
+    """The MODEL.WEIGHTS a run's train_net arguments give (the last one wins, as in detectron2's merge);
+    None where they give none."""
     weights = [train_args[i + 1] for i, arg in enumerate(train_args[:-1]) if arg == "MODEL.WEIGHTS"]
-    if not backbone_results_file or not weights or not weights[-1]:
+    return weights[-1] if weights else None
+
+
+def _backbone_top1(train_args: Sequence[str], backbone_results_file: str | None) -> float:
+    """``val_top1`` of the results file beside the run's initial weights; NaN without weights, or where
+    no such file or value is."""
+    weights = initial_weights(train_args)
+    if not backbone_results_file or not weights:
         return math.nan
-    path = os.path.join(os.path.dirname(weights[-1]), backbone_results_file)
+    path = os.path.join(os.path.dirname(weights), backbone_results_file)
     if not os.path.isfile(path):
         return math.nan
     with open(path) as f:
-        return float(json.load(f).get("val_top1", math.nan))
+        top1 = json.load(f).get("val_top1")
+    return math.nan if top1 is None else float(top1)

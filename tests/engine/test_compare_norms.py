@@ -321,6 +321,29 @@ def test_a_sweep_killed_while_pretraining_a_backbone_resumes_it(tmp_path, train_
     assert len(train_net_calls) == 1 and compare_norms.cached_backbone_path(config) in train_net_calls[0]
 
 
+def test_runs_whose_backbone_failed_are_left_out_and_the_others_run(tmp_path, train_net_calls, tiny_classification_set,
+                                                                   monkeypatch):  # fmt: skip
+    monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
+    pretraining = [
+        "PRETRAIN.DATA", tiny_classification_set, "PRETRAIN.IMAGE_SIZE", "32", "PRETRAIN.IMS_PER_BATCH", "4",
+        "PRETRAIN.MAX_ITER", "2", "PRETRAIN.WARMUP_ITERS", "1", "PRETRAIN.NUM_WORKERS", "0",
+        "PRETRAIN.BATCH_AVERAGE_BATCHES", "1",
+    ]  # fmt: skip
+    arguments = ["--finetune", "--config-file", CONFIG, "--settings", "GN", "SN", "--seeds", "3", "--iters", "1",
+                 "--batch-average-batches", "1", "--output-dir", str(tmp_path / "sweep"), *TINY, *pretraining]  # fmt: skip
+    make = compare_norms.make_backbones
+
+    def sn_fails(configs, *args, **kwargs):  # GN's backbone is made, SN's pretraining fails
+        assert make({key: config for key, config in configs.items() if key[0] != "SN"}, *args, **kwargs) == []
+        return [configs["SN", 3]]
+
+    monkeypatch.setattr(compare_norms, "make_backbones", sn_fails)
+    assert compare_norms.main(arguments) == 1
+    assert output_dirs_of(train_net_calls) == [str(tmp_path / "sweep" / "GN" / "seed3")]
+    assert read_record(str(tmp_path / "sweep" / "SN" / "seed3")) is None  # never started
+    assert "| GN | GN | GN |" in (tmp_path / "sweep" / "results.md").read_text()
+
+
 def test_backbone_seeds_pretrain_a_backbone_per_seed_the_configs_seed_the_grids(tmp_path, monkeypatch, capsys):
     """--backbone-seeds: seed k finetunes a backbone pretrained with SEED k; the config's SEED gives the
     backbone a sweep without it uses (the grid's cell), and FrozenBN shares BN's."""

@@ -47,3 +47,15 @@ def test_every_attempt_is_recorded_with_its_threads_and_a_cut_off_one_up_to_its_
     first, cut_off, last = jobs.read_job_record(folder)["attempts"]
     assert cut_off["interrupted"] and cut_off["wall_s"] == 7.5
     assert last["returncode"] == 0 and last["threads"] == 4 and jobs.read_job_record(folder)["norm"] == "BN"
+
+
+def test_run_jobs_returns_the_failed_in_plan_order_and_checks_each_is_done():
+    ran, reported = [], []
+
+    def run(job):
+        ran.append(job)
+        return job != "b"  # "b" exits with an error; "c" exits well but makes nothing
+
+    failed = jobs.run_jobs(["a", "b", "c", "d"], run, 2, done=lambda job: job != "c", name=str, log_of=str,
+                           after_each=lambda: reported.append(len(ran)))  # fmt: skip
+    assert failed == ["b", "c"] and sorted(ran) == ["a", "b", "c", "d"] and len(reported) == 4
