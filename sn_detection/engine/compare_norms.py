@@ -53,7 +53,6 @@ import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -456,23 +455,14 @@ def run_sweep(
         logger.info("%s: training %d iterations (log: %s)", labels[run.folder], run.iterations, log)
         return execute(run, jobs)
 
-    failed = set()
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(train, run): run for run in todo}
-        for future in as_completed(futures):
-            run, label = futures[future], labels[futures[future].folder]
-            if future.result():
-                result = read_result(run.folder, RESULTS_FILE)
-                logger.info(
-                    "%s: box AP %.1f, mask AP %.1f, %.0f s",
-                    label, result.metrics["box_AP"], result.metrics["mask_AP"], result.wall_s,
-                )  # fmt: skip
-            else:
-                failed.add(run.folder)
-                logger.error("%s: failed, see %s", label, os.path.join(run.folder, TRAIN_LOG))
-            if report_after_each is not None:
-                report_after_each()
-    return [run for run in todo if run.folder in failed]
+    def outcome(run: RunSpec) -> str:
+        result = read_result(run.folder, RESULTS_FILE)
+        return f"box AP {result.metrics['box_AP']:.1f}, mask AP {result.metrics['mask_AP']:.1f}, {result.wall_s:.0f} s"
+
+    # execute() returns whether the run finished: nothing more to check once it has
+    return run_jobs(todo, train, jobs, done=lambda run: True, name=lambda run: labels[run.folder],
+                    log_of=lambda run: os.path.join(run.folder, TRAIN_LOG), after_each=report_after_each,
+                    outcome=outcome)  # fmt: skip
 
 
 def config_label(config_file: str) -> str:

@@ -1,6 +1,6 @@
-"""The work the evidence tools run in subprocesses, ``jobs`` at a time on a share of the threads each:
-the environment and thread share of every such subprocess (tools/compare_norms.py's train_net runs too),
-and backbone jobs, which make the cells of tools/pretrain_grid.py and the backbones a finetune sweep lacks.
+"""The work the evidence tools run in subprocesses, ``jobs`` at a time on a share of the threads each
+(``run_jobs``, ``child_environment``): tools/compare_norms.py's train_net runs, and backbone jobs, which
+make the cells of tools/pretrain_grid.py and the backbones a finetune sweep lacks.
 
 A backbone job is one backbone of the cache (``sn_detection.pretraining.train.cached_backbone``) and a folder of its
 own: ``training/`` (the work folder, checkpointed every PRETRAIN.CHECKPOINT_PERIOD iterations, so that a
@@ -145,16 +145,18 @@ def execute_job(command: list[str], folder: str, new_record: dict, jobs: int) ->
 
 def run_jobs(todo: Sequence, run: Callable[[object], bool], jobs: int, done: Callable[[object], bool],
              name: Callable[[object], str], log_of: Callable[[object], str],
-             after_each: Optional[Callable[[], object]] = None) -> list:  # fmt: skip
+             after_each: Optional[Callable[[], object]] = None,
+             outcome: Callable[[object], str] = lambda job: "done") -> list:  # fmt: skip
     """``run(job)`` for each of ``todo``, ``jobs`` at a time in order; a job failed unless ``run`` returned
-    True and ``done(job)``. Returns the failed jobs, in order."""
+    True and ``done(job)``. Each end is logged (``outcome(job)`` of a job done, ``log_of(job)`` of one
+    failed), then ``after_each()`` is called. Returns the failed jobs, in order."""
     failed = []
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(run, job): job for job in todo}
         for future in as_completed(futures):
             job = futures[future]
             if future.result() and done(job):
-                logger.info("%s: done", name(job))
+                logger.info("%s: %s", name(job), outcome(job))
             else:
                 failed.append(job)
                 logger.error("%s: failed, see %s", name(job), log_of(job))

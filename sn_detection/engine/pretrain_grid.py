@@ -336,7 +336,8 @@ def run_cells(todo, output_dir, config_file, opts, configs, jobs: int, after_eac
         return execute_job(command, folder, record, jobs)
 
     return run_jobs(todo, run, jobs, done=lambda cell: is_cached(configs[cell]), name=lambda cell: cell.name,
-                    log_of=lambda cell: os.path.join(cell_folder(output_dir, cell), JOB_LOG), after_each=after_each)
+                    log_of=lambda cell: os.path.join(cell_folder(output_dir, cell), JOB_LOG), after_each=after_each,
+                    outcome=lambda cell: f"done, backbone in {cached_backbone_folder(configs[cell])}")  # fmt: skip
 
 
 # -- the outputs -------------------------------------------------------------------------------------

@@ -12,13 +12,12 @@ import time
 import pytest
 import yaml
 
-from sn_detection.d2 import trainers
 from sn_detection.engine import compare_norms
 from sn_detection.engine.compare_norms import Setting, parse_setting, plan_runs, scaled_schedule
 from sn_detection.engine.launch import load_cfg
 from sn_detection.engine.trainer import RESULTS_FILE
 from sn_detection.evidence.runs import read_record
-from sn_detection.pretraining import train as pretraining_train
+from tiny_pretraining import pretrain_killed_at, tiny_pretrain_keys
 
 CONFIG = compare_norms.DEFAULT_CONFIG
 # Few iterations of a shrunk model, and an evaluation that takes seconds.
@@ -282,20 +281,12 @@ def test_tiny_finetune_sweep_pretrains_each_backbone_once_and_finetunes_from_it(
     assert train_net_calls == []
 
 
-class Interrupted(Exception):
-    pass
-
-
 def test_a_sweep_killed_while_pretraining_a_backbone_resumes_it(tmp_path, train_net_calls, tiny_classification_set,
                                                                 monkeypatch):  # fmt: skip
     """The backbone trains as a backbone job in the sweep's folder, checkpointed: a sweep killed there
     continues the backbone from its checkpoint, and the work folder goes once the backbone is cached."""
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
-    pretraining = [
-        "PRETRAIN.DATA", tiny_classification_set, "PRETRAIN.IMAGE_SIZE", "32", "PRETRAIN.IMS_PER_BATCH", "4",
-        "PRETRAIN.MAX_ITER", "3", "PRETRAIN.WARMUP_ITERS", "1", "PRETRAIN.NUM_WORKERS", "0",
-        "PRETRAIN.BATCH_AVERAGE_BATCHES", "1", "PRETRAIN.CHECKPOINT_PERIOD", "1",
-    ]  # fmt: skip
+    pretraining = tiny_pretrain_keys(tiny_classification_set)
     sweep = tmp_path / "sweep"
     arguments = ["--finetune", "--config-file", CONFIG, "--settings", "SN", "--seeds", "3", "--iters", "1",
                  "--batch-average-batches", "1", "--output-dir", str(sweep), *TINY, *pretraining]  # fmt: skip
@@ -303,16 +294,7 @@ def test_a_sweep_killed_while_pretraining_a_backbone_resumes_it(tmp_path, train_
     folder = sweep / compare_norms.BACKBONE_WORK_FOLDER / os.path.basename(compare_norms.cached_backbone_folder(config))
 
     # the sweep was killed at the backbone's iteration 2, after its checkpoint at iteration 1
-    class InterruptedTrainer(trainers.SimpleTrainer):
-        def run_step(self):
-            if self.iter == 2:
-                raise Interrupted
-            super().run_step()
-
-    with monkeypatch.context() as patch:
-        patch.setattr(trainers, "SimpleTrainer", InterruptedTrainer)
-        with pytest.raises(Interrupted):
-            pretraining_train.pretrain(config, resume=True, output_dir=str(folder / "training"))
+    pretrain_killed_at(monkeypatch, config, 2, resume=True, output_dir=str(folder / "training"))
     assert compare_norms.main(arguments) == 0
     (attempt,) = json.loads((folder / "cell.json").read_text())["attempts"]
     assert attempt["resumed"] and attempt["returncode"] == 0
@@ -324,11 +306,7 @@ def test_a_sweep_killed_while_pretraining_a_backbone_resumes_it(tmp_path, train_
 def test_runs_whose_backbone_failed_are_left_out_and_the_others_run(tmp_path, train_net_calls, tiny_classification_set,
                                                                    monkeypatch):  # fmt: skip
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
-    pretraining = [
-        "PRETRAIN.DATA", tiny_classification_set, "PRETRAIN.IMAGE_SIZE", "32", "PRETRAIN.IMS_PER_BATCH", "4",
-        "PRETRAIN.MAX_ITER", "2", "PRETRAIN.WARMUP_ITERS", "1", "PRETRAIN.NUM_WORKERS", "0",
-        "PRETRAIN.BATCH_AVERAGE_BATCHES", "1",
-    ]  # fmt: skip
+    pretraining = [*tiny_pretrain_keys(tiny_classification_set), "PRETRAIN.MAX_ITER", "2"]
     arguments = ["--finetune", "--config-file", CONFIG, "--settings", "GN", "SN", "--seeds", "3", "--iters", "1",
                  "--batch-average-batches", "1", "--output-dir", str(tmp_path / "sweep"), *TINY, *pretraining]  # fmt: skip
     make = compare_norms.make_backbones

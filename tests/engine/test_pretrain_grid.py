@@ -13,22 +13,14 @@ import subprocess
 
 import pytest
 
-from sn_detection.d2 import trainers
 from sn_detection.engine import compare_norms, jobs, pretrain_grid
 from sn_detection.engine.launch import load_cfg
 from sn_detection.engine.pretrain_grid import Cell, cell_cfg, iterations_to_reach, plan_cells, top1_curve
 from sn_detection.pretraining import train as pretraining_train
 from sn_detection.pretraining.train import cached_backbone, cached_backbone_folder, cached_backbone_path, pretrain
+from tiny_pretraining import pretrain_killed_at, tiny_pretrain_keys
 
 CONFIG = pretrain_grid.DEFAULT_CONFIG
-
-
-def tiny_pretraining(data):
-    return [
-        "PRETRAIN.DATA", str(data), "PRETRAIN.IMAGE_SIZE", "32", "PRETRAIN.IMS_PER_BATCH", "4",
-        "PRETRAIN.MAX_ITER", "3", "PRETRAIN.WARMUP_ITERS", "1", "PRETRAIN.NUM_WORKERS", "0",
-        "PRETRAIN.CHECKPOINT_PERIOD", "1", "PRETRAIN.BATCH_AVERAGE_BATCHES", "1",
-    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("arguments, problem", [
@@ -123,10 +115,6 @@ def test_the_top1_curve_counts_iterations_trained_and_keeps_a_resumed_runs_lates
     assert top1_curve(str(tmp_path / "missing.json"), 100) == []
 
 
-class Interrupted(Exception):
-    pass
-
-
 def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypatch, capsys, tiny_classification_set):
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -135,7 +123,7 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
     output, published = tmp_path / "grid", tmp_path / "grid.md"
     options = ["--norms", "BN,GN", "--lrs", "0.1,0.2", "--jobs", "2", "--target-top1", "1", "--output-dir", str(output),
                "--publish", str(published)]  # fmt: skip
-    arguments = [*options, "--estimate-steps", "1", *tiny_pretraining(tiny_classification_set)]
+    arguments = [*options, "--estimate-steps", "1", *tiny_pretrain_keys(tiny_classification_set)]
     assert pretrain_grid.main(arguments) == 0
     printed = capsys.readouterr().out
     assert "4 cells, 3 iterations each at batch 4; 0 done (in the cache), 4 to run, --jobs 2." in printed
@@ -175,21 +163,12 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
     assert calls == [] and "4 done (in the cache), 0 to run" in capsys.readouterr().out
 
     # one cell's backbone gone: made again; another killed after its checkpoint at iteration 1: resumed
-    cfg = load_cfg(CONFIG, tiny_pretraining(tiny_classification_set))
+    cfg = load_cfg(CONFIG, tiny_pretrain_keys(tiny_classification_set))
     redone, killed = Cell("BN", (("PRETRAIN.BASE_LR", 0.1),)), Cell("GN", (("PRETRAIN.BASE_LR", 0.2),))
     for cell in (redone, killed):
         shutil.rmtree(cached_backbone_folder(cell_cfg(cfg, cell)))
 
-    class InterruptedTrainer(trainers.SimpleTrainer):
-        def run_step(self):
-            if self.iter == 2:
-                raise Interrupted
-            super().run_step()
-
-    with monkeypatch.context() as patch:
-        patch.setattr(trainers, "SimpleTrainer", InterruptedTrainer)
-        with pytest.raises(Interrupted):
-            pretrain(cell_cfg(cfg, killed), output_dir=str(output / "cells" / killed.name / "training"))
+    pretrain_killed_at(monkeypatch, cell_cfg(cfg, killed), 2, output_dir=str(output / "cells" / killed.name / "training"))
     # and before that, a grid was killed with that cell: its attempt never saw its end
     record_path = output / "cells" / killed.name / "cell.json"
     record = json.loads(record_path.read_text())
@@ -197,7 +176,7 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
     record["attempts"].append({"started": log_changed - 12.5, "wall_s": None, "returncode": None, "resumed": False})
     record_path.write_text(json.dumps(record))
     calls.clear()
-    assert pretrain_grid.main([*options, "--estimate-steps", "0", *tiny_pretraining(tiny_classification_set)]) == 0
+    assert pretrain_grid.main([*options, "--estimate-steps", "0", *tiny_pretrain_keys(tiny_classification_set)]) == 0
     printed = capsys.readouterr().out
     assert "2 done (in the cache), 2 to run" in printed and "(median of 1 finished cell(s)' metrics.json)" in printed
     assert sorted(command[command.index("--work-dir") + 1] for command in calls) == [
@@ -223,7 +202,7 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
     original = compare_norms.plan_runs
     monkeypatch.setattr(compare_norms, "plan_runs", lambda *a, **kw: planned.update(backbones=a[8]) or original(*a, **kw))
     sweep = ["--finetune", "--backbones", str(output / "best.json"), "--settings", "FrozenBN/GN", "GN", "--report-only",
-             "--output-dir", str(tmp_path / "sweep"), *tiny_pretraining(tiny_classification_set)]  # fmt: skip
+             "--output-dir", str(tmp_path / "sweep"), *tiny_pretrain_keys(tiny_classification_set)]  # fmt: skip
     assert compare_norms.main(sweep) == 0
     expected = {norm: cached_backbone_path(cell_cfg(cfg, Cell(norm, tuple(best[norm].items())))) for norm in ("BN", "GN")}
     seeds = compare_norms.DEFAULT_SEEDS  # each finetunes the same backbone: the grid's, of the config's SEED
@@ -234,7 +213,7 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
 
 def test_pretrainings_own_metrics_give_the_curve(tmp_path, tiny_classification_set):
     """What pretraining logs: an evaluation every EVAL_PERIOD iterations and one at the end."""
-    opts = [*tiny_pretraining(tiny_classification_set), "PRETRAIN.MAX_ITER", "21", "PRETRAIN.EVAL_PERIOD", "20",
+    opts = [*tiny_pretrain_keys(tiny_classification_set), "PRETRAIN.MAX_ITER", "21", "PRETRAIN.EVAL_PERIOD", "20",
             "PRETRAIN.CHECKPOINT_PERIOD", "100", "PRETRAIN.BASE_LR", "0.01"]  # fmt: skip
     results = pretrain(load_cfg(CONFIG, opts), output_dir=str(tmp_path))
     curve = top1_curve(str(tmp_path / "metrics.json"), 21)
@@ -245,7 +224,7 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
                                                                            tiny_classification_set):
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    opts = [*tiny_pretraining(tiny_classification_set), "PRETRAIN.MAX_ITER", "21", "PRETRAIN.EVAL_PERIOD", "20",
+    opts = [*tiny_pretrain_keys(tiny_classification_set), "PRETRAIN.MAX_ITER", "21", "PRETRAIN.EVAL_PERIOD", "20",
             "PRETRAIN.CHECKPOINT_PERIOD", "100", "PRETRAIN.BASE_LR", "0.01"]  # fmt: skip
     cfg = load_cfg(CONFIG, opts)
     grid_cell = Cell("GN", (("PRETRAIN.BASE_LR", 0.1),))

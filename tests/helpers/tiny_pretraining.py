@@ -1,11 +1,14 @@
 """The config of the pretraining tests: the R18-FPN Mask R-CNN of configs/demo_compare_norms.yaml with
-SN, pretrained a few iterations on a tiny classification set at 32 px."""
+SN, pretrained a few iterations on a tiny classification set at 32 px; the PRETRAIN keys of the tools'
+tiny pretrainings; and a pretraining killed mid-way, as a killed job leaves it."""
 
 import os
 
+import pytest
 from detectron2.config import get_cfg
 
-from sn_detection.d2 import add_sn_config
+from sn_detection.d2 import add_sn_config, trainers
+from sn_detection.pretraining.train import pretrain
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(REPO, "configs", "demo_compare_norms.yaml")
@@ -19,6 +22,36 @@ def tiny_pretraining(data, output_dir, *opts):
         "PRETRAIN.NUM_WORKERS", "0", "PRETRAIN.CHECKPOINT_PERIOD", "2", "PRETRAIN.OUTPUT_DIR", str(output_dir),
         "PRETRAIN.BATCH_AVERAGE_BATCHES", "2", "SEED", "1", *opts,
     ]  # fmt: skip
+
+
+def tiny_pretrain_keys(data):
+    """PRETRAIN KEY VALUE arguments of 3 iterations at batch 4 on ``data``, checkpointed every iteration
+    (the grid's and the finetune sweep's backbones in their tests)."""
+    return [
+        "PRETRAIN.DATA", str(data), "PRETRAIN.IMAGE_SIZE", "32", "PRETRAIN.IMS_PER_BATCH", "4",
+        "PRETRAIN.MAX_ITER", "3", "PRETRAIN.WARMUP_ITERS", "1", "PRETRAIN.NUM_WORKERS", "0",
+        "PRETRAIN.CHECKPOINT_PERIOD", "1", "PRETRAIN.BATCH_AVERAGE_BATCHES", "1",
+    ]  # fmt: skip
+
+
+class Interrupted(Exception):
+    """What a pretraining killed by ``pretrain_killed_at`` raises."""
+
+
+def pretrain_killed_at(monkeypatch, cfg, iteration, **pretrain_options):
+    """``pretrain(cfg, **pretrain_options)`` stopped as the step of ``iteration`` starts, as a job killed
+    there leaves it (its checkpoints so far on disk)."""
+
+    class InterruptedTrainer(trainers.SimpleTrainer):
+        def run_step(self):
+            if self.iter == iteration:
+                raise Interrupted
+            super().run_step()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainers, "SimpleTrainer", InterruptedTrainer)
+        with pytest.raises(Interrupted):
+            pretrain(cfg, **pretrain_options)
 
 
 def tiny_cfg(data, output_dir, *opts):

@@ -15,7 +15,7 @@ import torch
 from detectron2.checkpoint import DetectionCheckpointer
 from detectron2.modeling import build_model
 from PIL import Image
-from tiny_pretraining import REPO, tiny_cfg, tiny_pretraining
+from tiny_pretraining import REPO, pretrain_killed_at, tiny_cfg, tiny_pretraining
 
 from sn_detection.d2 import trainers
 from sn_detection.engine import pretrain_backbone
@@ -61,18 +61,8 @@ def test_the_backbone_loads_into_the_detector_and_computes_the_trunks_features(t
     torch.testing.assert_close(detector.eval().backbone.bottom_up(x)["res5"], expected, rtol=0, atol=0)
 
 
-class Interrupted(Exception):
-    pass
-
-
 def test_a_resumed_pretraining_equals_an_uninterrupted_one(tiny_classification_set, tmp_path, monkeypatch):
     whole = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "whole"))
-
-    class InterruptedTrainer(trainers.SimpleTrainer):
-        def run_step(self):
-            if self.iter == 3:  # after the checkpoint of iteration 1 (period 2) and iteration 2's step
-                raise Interrupted
-            super().run_step()
 
     steps = []
 
@@ -82,10 +72,7 @@ def test_a_resumed_pretraining_equals_an_uninterrupted_one(tiny_classification_s
             super().run_step()
 
     cfg = tiny_cfg(tiny_classification_set, tmp_path / "resumed")
-    with monkeypatch.context() as patch:
-        patch.setattr(trainers, "SimpleTrainer", InterruptedTrainer)
-        with pytest.raises(Interrupted):
-            pretrain(cfg)
+    pretrain_killed_at(monkeypatch, cfg, 3)  # after the checkpoint of iteration 1 (period 2) and iteration 2's step
     with monkeypatch.context() as patch:
         patch.setattr(trainers, "SimpleTrainer", RecordingTrainer)
         resumed = pretrain(cfg, resume=True)
