@@ -83,7 +83,9 @@ from ..pretraining.train import (
 )
 from .jobs import (
     JOB_LOG,
+    WORK_FOLDER,
     backbone_command,
+    checkpointed_iterations,
     child_environment,
     execute_job,
     has_checkpoint,
@@ -294,9 +296,10 @@ def cached_seconds_per_iteration(config: CfgNode) -> tuple[float, int]:
     return (statistics.median(measured), len(measured)) if measured else (math.nan, 0)
 
 
-def print_plan(runs: Sequence[RunSpec], pretraining: dict[tuple[str, int], CfgNode], jobs: int) -> None:
+def print_plan(runs: Sequence[RunSpec], pretraining: dict[tuple[str, int], CfgNode], output_dir: str, jobs: int) -> None:
     """What the sweep is about to do and an estimate of its wall time, before it does anything: runs
-    done and to run, backbones to pretrain first."""
+    done and to run, backbones to pretrain first (a killed one's time counted from its last checkpoint in
+    ``output_dir``)."""
     finished = [read_result(run.folder, RESULTS_FILE) for run in runs if is_finished(run.folder, RESULTS_FILE)]
     todo = len(runs) - len(finished)
     settings, seeds = len({run.setting for run in runs}), len({run.seed for run in runs})
@@ -309,11 +312,13 @@ def print_plan(runs: Sequence[RunSpec], pretraining: dict[tuple[str, int], CfgNo
               "time:", flush=True)  # fmt: skip
         for config in missing:
             norm, steps = pretrained_norm(config), trained_iterations(config)
+            done = checkpointed_iterations(os.path.join(backbone_job_folder(output_dir, config), WORK_FOLDER))
             per_iter, count = cached_seconds_per_iteration(config)
             basis = (f"{per_iter:.2f} s/iter, the median of {count} cached {norm} backbone(s)' training time"
                      if count else f"no cached {norm} backbone to estimate from")  # fmt: skip
-            print(f"  {norm}, SEED {config.SEED}, {steps} iterations: {format_duration(per_iter * steps)} "
-                  f"({basis})", flush=True)  # fmt: skip
+            resumed = f", resumed after {done} checkpointed" if done else ""
+            print(f"  {norm}, SEED {config.SEED}, {steps} iterations{resumed}: "
+                  f"{format_duration(per_iter * (steps - done))} ({basis})", flush=True)  # fmt: skip
     if todo:
         per_run = statistics.median(result.wall_s for result in finished) if finished else math.nan
         at_once = min(jobs, todo)
@@ -321,6 +326,11 @@ def print_plan(runs: Sequence[RunSpec], pretraining: dict[tuple[str, int], CfgNo
                  f"/ {at_once} at once" if finished else "known once a run of this sweep has finished")  # fmt: skip
         print(f"Estimated wall time of the {todo} run(s) to run: {format_duration(todo * per_run / at_once)} "
               f"({basis}).", flush=True)  # fmt: skip
+
+
+def backbone_job_folder(output_dir: str, config: CfgNode) -> str:
+    """Where the sweep in ``output_dir`` pretrains the backbone of ``config`` until it is cached."""
+    return os.path.join(output_dir, BACKBONE_WORK_FOLDER, os.path.basename(cached_backbone_folder(config)))
 
 
 def make_backbones(configs: dict[tuple[str, int], CfgNode], output_dir: str, config_file: str, opts: Sequence[str],
@@ -334,7 +344,7 @@ def make_backbones(configs: dict[tuple[str, int], CfgNode], output_dir: str, con
         return os.path.basename(cached_backbone_folder(config))
 
     def folder_of(config: CfgNode) -> str:
-        return os.path.join(output_dir, BACKBONE_WORK_FOLDER, name(config))
+        return backbone_job_folder(output_dir, config)
 
     def run(config: CfgNode) -> bool:
         norm, cache, folder = pretrained_norm(config), cached_backbone_folder(config), folder_of(config)
@@ -661,7 +671,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                "grid's config and KEY VALUE overrides would have made it", norm,
                                cached_backbone_path(config))  # fmt: skip
     if not args.report_only:
-        print_plan(runs, pretraining, args.jobs)
+        print_plan(runs, pretraining, args.output_dir, args.jobs)
     if args.plan_only:
         return 0
     failed, runnable = [], runs

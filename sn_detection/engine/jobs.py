@@ -28,6 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Callable, Optional, Sequence
 
+import torch
 from detectron2.checkpoint import DetectionCheckpointer
 from torch import nn
 
@@ -69,6 +70,16 @@ def has_checkpoint(folder: str) -> bool:
     """Whether a resumed training would continue from a checkpoint in ``folder`` (asked of detectron2's
     checkpointer, which needs a model to be built; an empty one does)."""
     return DetectionCheckpointer(nn.Module(), save_dir=folder).has_checkpoint()
+
+
+def checkpointed_iterations(folder: str) -> int:
+    """How many iterations a training resumed in ``folder`` does not run again: its last checkpoint's
+    iteration + 1; 0 without a checkpoint."""
+    checkpointer = DetectionCheckpointer(nn.Module(), save_dir=folder)
+    if not checkpointer.has_checkpoint():
+        return 0
+    state = torch.load(checkpointer.get_checkpoint_file(), map_location="cpu", weights_only=False)
+    return int(state.get("iteration", -1)) + 1
 
 
 def read_json(path: str):

@@ -24,7 +24,8 @@ cell). FrozenBN is pretrained as BN (``pretrained_norm``), so it is the BN cell.
   resumed or not, threads); a cell folder planned for another cache folder (another config, budget or
   override) is refused before anything runs.
 - **The estimate**, printed before anything runs: cells done and to run, and the wall time of those to
-  run: per cell, seconds per iteration x PRETRAIN.MAX_ITER, summed and divided by the jobs. A norm's
+  run: per cell, seconds per iteration x the iterations it still runs (PRETRAIN.MAX_ITER, less those
+  before a killed cell's last checkpoint), summed and divided by the jobs. A norm's
   seconds per iteration are the median of detectron2's per-iteration time (metrics.json) over its
   finished cells; for a norm without one, ``--estimate-steps K`` training steps measured here on a
   random batch at the threads one job gets (no data loading, batch average or evaluation: a lower
@@ -66,7 +67,7 @@ import os
 import statistics
 import sys
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from detectron2.config import CfgNode
 
@@ -80,7 +81,9 @@ from ..pretraining.train import (
 from .compare_norms import config_label, override_list, with_pretrain_overrides
 from .jobs import (
     JOB_LOG,
+    WORK_FOLDER,
     backbone_command,
+    checkpointed_iterations,
     child_environment,
     execute_job,
     read_job_record,
@@ -297,9 +300,11 @@ def measured_step_seconds(cfg: CfgNode, steps: int, threads: int) -> float:
         torch.set_num_threads(previous)
 
 
-def estimate(cells_to_run, results, configs, jobs: int, steps: int) -> tuple[float, dict[str, tuple[float, str]]]:
+def estimate(cells_to_run, results, configs, jobs: int, steps: int,
+             done: Callable[[Cell], int] = lambda cell: 0) -> tuple[float, dict[str, tuple[float, str]]]:  # fmt: skip
     """(estimated wall seconds of ``cells_to_run``, per norm (s/iter, what it is based on)); NaN where a
-    norm has no basis (no finished cell and ``steps`` 0)."""
+    norm has no basis (no finished cell and ``steps`` 0). ``done``: the iterations a cell has checkpointed,
+    which it does not run again."""
     basis = {}
     for norm in dict.fromkeys(cell.norm for cell in cells_to_run):
         finished = [r["s_per_iter"] for r in results if r["norm"] == norm and not math.isnan(r["s_per_iter"])]
@@ -312,7 +317,7 @@ def estimate(cells_to_run, results, configs, jobs: int, steps: int) -> tuple[flo
             basis[norm] = (seconds, f"{steps} steps measured now on a random batch, {threads} thread(s)")
         else:
             basis[norm] = (math.nan, "no finished cell, nothing measured (--estimate-steps 0)")
-    total = sum(basis[cell.norm][0] * trained_iterations(configs[cell]) for cell in cells_to_run)
+    total = sum(basis[cell.norm][0] * (trained_iterations(configs[cell]) - done(cell)) for cell in cells_to_run)
     return total / max(1, min(jobs, len(cells_to_run))), basis
 
 
@@ -619,10 +624,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def print_estimate(what: str, todo: Sequence[Cell], results: dict, configs: dict, args) -> None:
-    seconds, basis = estimate(todo, list(results.values()), configs, args.jobs, args.estimate_steps)
+    done = {cell: checkpointed_iterations(os.path.join(cell_folder(args.output_dir, cell), WORK_FOLDER)) for cell in todo}
+    seconds, basis = estimate(todo, list(results.values()), configs, args.jobs, args.estimate_steps, done.__getitem__)
+    resumed = ", ".join(f"{cell.name} after {done[cell]}" for cell in todo if done[cell])
     print(f"Estimated wall time of {what}: {format_duration(seconds)} = the sum over cells of s/iter x their "
-          f"iterations, / {min(args.jobs, len(todo))} job(s) at once; start-up, batch average and evaluations not "
-          "included. s/iter per norm:", flush=True)  # fmt: skip
+          f"iterations still to run{f' (resumed: {resumed})' if resumed else ''}, / {min(args.jobs, len(todo))} "
+          "job(s) at once; start-up, batch average and evaluations not included. s/iter per norm:", flush=True)  # fmt: skip
     for norm, (per_iter, source) in basis.items():
         print(f"  {norm}: {per_iter:.3f} s/iter ({source})", flush=True)
 

@@ -282,7 +282,7 @@ def test_tiny_finetune_sweep_pretrains_each_backbone_once_and_finetunes_from_it(
 
 
 def test_a_sweep_killed_while_pretraining_a_backbone_resumes_it(tmp_path, train_net_calls, tiny_classification_set,
-                                                                monkeypatch):  # fmt: skip
+                                                                monkeypatch, capsys):  # fmt: skip
     """The backbone trains as a backbone job in the sweep's folder, checkpointed: a sweep killed there
     continues the backbone from its checkpoint, and the work folder goes once the backbone is cached."""
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
@@ -295,6 +295,8 @@ def test_a_sweep_killed_while_pretraining_a_backbone_resumes_it(tmp_path, train_
 
     # the sweep was killed at the backbone's iteration 2, after its checkpoint at iteration 1
     pretrain_killed_at(monkeypatch, config, 2, resume=True, output_dir=str(folder / "training"))
+    assert compare_norms.main(["--plan-only", *arguments]) == 0
+    assert "  SN, SEED 1, 3 iterations, resumed after 2 checkpointed: " in capsys.readouterr().out
     assert compare_norms.main(arguments) == 0
     (attempt,) = json.loads((folder / "cell.json").read_text())["attempts"]
     assert attempt["resumed"] and attempt["returncode"] == 0

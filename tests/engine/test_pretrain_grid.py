@@ -179,6 +179,7 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
     assert pretrain_grid.main([*options, "--estimate-steps", "0", *tiny_pretrain_keys(tiny_classification_set)]) == 0
     printed = capsys.readouterr().out
     assert "2 done (in the cache), 2 to run" in printed and "(median of 1 finished cell(s)' metrics.json)" in printed
+    assert "iterations still to run (resumed: GN-lr0.2 after 2)," in printed  # its checkpoint at iteration 1
     assert sorted(command[command.index("--work-dir") + 1] for command in calls) == [
         str(output / "cells" / name / "training") for name in ("BN-lr0.1", "GN-lr0.2")
     ]
