@@ -46,8 +46,9 @@ cell). FrozenBN is pretrained as BN (``pretrained_norm``), so it is the BN cell.
   done), so that every norm reaches it; a norm whose best never did is reported as not reached. A stop
   at the end of the schedule is the best cell itself.
 - **Outputs** in OUTPUT_DIR: ``results.md`` (top-1 per norm x setting with wall times, each norm's best
-  setting by val top-1 in bold, then a row per cell), ``results.csv``, ``results.json`` (with the
-  curves), and ``best.json``, ``{norm: {PRETRAIN key: value}}``: each norm's best setting, for norms
+  setting by val top-1 in bold, then a row per cell, and where the cache holds other draws of a best
+  setting (another SEED, as ``compare_norms --backbone-seeds`` makes them) a table of the draws),
+  ``results.csv``, ``results.json`` (with the curves and those draws), and ``best.json``, ``{norm: {PRETRAIN key: value}}``: each norm's best setting, for norms
   whose cells are all done; ``tools/compare_norms.py --finetune --backbones best.json`` finetunes each
   setting from its backbone norm's best backbone (FrozenBN from BN's). ``--publish FILE`` also writes
   the markdown. With ``--equal-top1``, ``equal_top1.json`` (the same form, each norm's best setting with
@@ -78,7 +79,7 @@ from ..pretraining.train import (
     LOG_PERIOD, RESULTS_FILE, cached_backbone_folder, cached_backbone_path, is_cached,
     trained_iterations,
 )  # fmt: skip
-from .compare_norms import config_label, override_list, with_pretrain_overrides
+from .compare_norms import DEFAULT_SEEDS, backbone_configs, config_label, override_list, with_pretrain_overrides
 from .jobs import (
     JOB_LOG,
     WORK_FOLDER,
@@ -257,6 +258,22 @@ def settled_best_cells(cells: Sequence[Cell], results: dict) -> dict[str, dict]:
             if all(cell in results for cell in cells if cell.norm == norm)}  # fmt: skip
 
 
+def best_draws(settled: dict[str, dict], cells: Sequence[Cell], configs: dict, seed: int) -> dict[str, dict[int, float]]:
+    """Per settled norm with more than one draw in the cache, {SEED: val top-1} of its best setting's
+    backbone pretrained with each of the finetune sweep's seeds (as ``compare_norms --backbone-seeds``
+    makes it: the same recipe, another initialisation and data order), the cell itself (SEED ``seed``) first."""
+    seeds = list(dict.fromkeys([seed, *DEFAULT_SEEDS]))
+    draws = {}
+    for norm, result in settled.items():
+        cell = next(cell for cell in cells if cell.norm == norm and cell.setting == result["setting"])
+        drawn = backbone_configs({norm: configs[cell]}, seeds, per_seed=True)
+        found = {seed: read_json(os.path.join(cached_backbone_folder(config), RESULTS_FILE))["val_top1"]
+                 for (_, seed), config in drawn.items() if is_cached(config)}  # fmt: skip
+        if len(found) > 1:
+            draws[norm] = found
+    return draws
+
+
 def lowest_best_top1(cells: Sequence[Cell], results: dict, norms: int) -> Optional[float]:
     """``--equal-top1``'s default target: the lowest of the norms' best val top-1, rounded down to a whole
     percent, so that every norm reaches it; None until all ``norms`` are settled."""
@@ -410,6 +427,27 @@ def markdown(description: str, cells: Sequence[Cell], results: dict, target: Opt
     return "\n".join(lines) + "\n"
 
 
+def draws_markdown(draws: dict[str, dict[int, float]], settled: dict[str, dict]) -> str:
+    """The table of ``best_draws``: each norm's best setting drawn again, and the spread of its draws."""
+    seeds = list(dict.fromkeys(seed for found in draws.values() for seed in found))
+    cell_seed = seeds[0]
+    lines = [
+        "#### Each norm's best setting, drawn again", "",
+        "The backbone of each norm's best setting pretrained again with another SEED (the same recipe, another "
+        "initialisation and data order), as `tools/compare_norms.py --finetune --backbone-seeds` makes it, where "
+        "the cache has it: val top-1, then mean ± sample standard deviation over the draws. A difference between "
+        "cells within about that spread is one a single draw per cell cannot tell.", "",
+        "| norm | setting | " + " | ".join(f"SEED {s}{' (the cell)' if s == cell_seed else ''}" for s in seeds)
+        + " | mean ± std |",
+        "|---" * (len(seeds) + 3) + "|",
+    ]  # fmt: skip
+    for norm, found in draws.items():
+        values = " | ".join(f"{found[s]:.2f} %" if s in found else "–" for s in seeds)
+        spread = f"{statistics.mean(found.values()):.1f} ± {statistics.stdev(found.values()):.1f} %"
+        lines.append(f"| {norm} | {settled[norm]['setting']} | {values} | {spread} |")
+    return "\n".join(lines) + "\n"
+
+
 def equal_markdown(target: float, equal: dict[str, Cell], not_reached: Sequence[str], results: dict,
                    settled: dict[str, dict]) -> str:
     """The ``--equal-top1`` table: per norm, the iterations its best setting needed to reach ``target``."""
@@ -436,15 +474,20 @@ def equal_markdown(target: float, equal: dict[str, Cell], not_reached: Sequence[
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(output_dir, description, cells, results, target, publish=None, equal=None) -> dict:
-    """results.md, .csv, .json and best.json (norms whose cells are all done); with ``equal`` (the
-    ``equal_top1_cells``) also equal_top1.json and their table. Returns best.json's content."""
+def write_outputs(output_dir, description, cells, results, target, publish=None, equal=None,
+                  draws: Optional[Callable[[dict], dict]] = None) -> dict:  # fmt: skip
+    """results.md, .csv, .json and best.json (norms whose cells are all done); ``draws`` (settled best
+    cells -> ``best_draws``) adds the table of their other draws; with ``equal`` (the ``equal_top1_cells``)
+    also equal_top1.json and their table. Returns best.json's content."""
     os.makedirs(output_dir, exist_ok=True)
     done = [results[cell] for cell in cells if cell in results]
     best = best_cells(done)
     settled = settled_best_cells(cells, results)
     best_overrides = {norm: result["overrides"] for norm, result in settled.items()}
+    drawn = draws(settled) if draws else {}
     text = markdown(description, cells, results, target)
+    if drawn:
+        text += "\n" + draws_markdown(drawn, settled)
     if equal is not None:
         text += "\n" + equal_markdown(target, *equal, results, settled)
         equal_overrides = {norm: dict(cell.overrides) for norm, cell in equal[0].items()}
@@ -464,6 +507,7 @@ def write_outputs(output_dir, description, cells, results, target, publish=None,
     write_json(os.path.join(output_dir, JSON_FILE), {
         "cells": [{**result, "best": best[result["norm"]] is result} for result in done],
         "not_done": [{"norm": cell.norm, "setting": cell.setting} for cell in cells if cell not in results],
+        "best_draws": {norm: {str(seed): top1 for seed, top1 in found.items()} for norm, found in drawn.items()},
         "target_top1": target,
         "equal_top1": [results[cell] for cell in equal[0].values() if cell in results] if equal is not None else [],
     })  # fmt: skip
@@ -575,7 +619,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         equal = plan_equal()
         results = collect(list(equal[0].values()) if equal else ())
         description = describe(cfg, args.config_file, cells, args.target_top1)
-        return write_outputs(args.output_dir, description, cells, results, args.target_top1, args.publish, equal)
+        return write_outputs(args.output_dir, description, cells, results, args.target_top1, args.publish, equal,
+                             draws=lambda settled: best_draws(settled, cells, configs, cfg.SEED))  # fmt: skip
 
     results = collect()
     todo = [cell for cell in cells if cell not in results]

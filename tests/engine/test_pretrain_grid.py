@@ -2,8 +2,9 @@
 asks for (so the grid's backbones are the sweep's); the top-1 curve and the iterations to a target; a tiny
 2 norms x 2 LR grid end to end (table with the best marked, best.json, a re-run skips done cells, a
 removed cell is redone, a killed cell resumes from its checkpoint), and best.json feeding
-compare_norms --finetune --backbones; --equal-top1 stopping each norm's best where its cell reached the
-target. The numbers of a few iterations mean nothing and are not checked."""
+compare_norms --finetune --backbones; other draws of a best setting beside its cell; --equal-top1
+stopping each norm's best where its cell reached the target. The numbers of a few iterations mean
+nothing and are not checked."""
 
 import csv
 import json
@@ -210,6 +211,34 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
     assert planned["backbones"] == {**{("FrozenBN", seed): expected["BN"] for seed in seeds},
                                     **{("GN", seed): expected["GN"] for seed in seeds}}  # fmt: skip
     assert all(os.path.isfile(path) for path in planned["backbones"].values())
+
+
+def test_the_table_shows_each_norms_best_setting_drawn_again(tmp_path, monkeypatch, tiny_classification_set):
+    """The best setting's backbone pretrained with another SEED (as compare_norms --backbone-seeds makes it)
+    is shown beside its cell, with the spread of the draws: how far one cell is from another draw of it."""
+    monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
+    opts = tiny_pretrain_keys(tiny_classification_set)
+    cfg = load_cfg(CONFIG, opts)
+    worse, best = (Cell("GN", (("PRETRAIN.BASE_LR", lr),)) for lr in (0.1, 0.2))
+    second_draw = compare_norms.backbone_configs({"GN": cell_cfg(cfg, best)}, [2], per_seed=True)["GN", 2]
+    # the grid's cells and one draw of the best, made here with known top-1: in the cache, whoever made them
+    for config, top1 in ((cell_cfg(cfg, worse), 30.0), (cell_cfg(cfg, best), 40.0), (second_draw, 36.0)):
+        with monkeypatch.context() as patch:
+            patch.setattr(pretraining_train, "top1", lambda *args, value=top1: value)
+            cached_backbone(config)
+    output = tmp_path / "grid"
+    arguments = ["--norms", "GN", "--lrs", "0.1,0.2", "--report-only", "--output-dir", str(output), *opts]
+    assert pretrain_grid.main(arguments) == 0
+    table = (output / "results.md").read_text()
+    assert "| norm | setting | SEED 1 (the cell) | SEED 2 | mean ± std |" in table
+    assert "| GN | LR 0.2 | 40.00 % | 36.00 % | 38.0 ± 2.8 % |" in table
+    assert json.loads((output / "results.json").read_text())["best_draws"] == {"GN": {"1": 40.0, "2": 36.0}}
+
+    # without another draw of a best setting there is no such table
+    shutil.rmtree(cached_backbone_folder(second_draw))
+    assert pretrain_grid.main(arguments) == 0
+    assert "drawn again" not in (output / "results.md").read_text()
+    assert json.loads((output / "results.json").read_text())["best_draws"] == {}
 
 
 def test_pretrainings_own_metrics_give_the_curve(tmp_path, tiny_classification_set):
