@@ -48,11 +48,12 @@ cell). FrozenBN is pretrained as BN (``pretrained_norm``), so it is the BN cell.
 - **Outputs** in OUTPUT_DIR: ``results.md`` (top-1 per norm x setting with wall times, each norm's best
   setting by val top-1 in bold, then a row per cell, and where the cache holds other draws of a best
   setting (another SEED, as ``compare_norms --backbone-seeds`` makes them) a table of the draws),
-  ``results.csv``, ``results.json`` (with the curves and those draws), and ``best.json``, ``{norm: {PRETRAIN key: value}}``: each norm's best setting, for norms
-  whose cells are all done; ``tools/compare_norms.py --finetune --backbones best.json`` finetunes each
-  setting from its backbone norm's best backbone (FrozenBN from BN's). ``--publish FILE`` also writes
-  the markdown. With ``--equal-top1``, ``equal_top1.json`` (the same form, each norm's best setting with
-  its PRETRAIN.STOP_ITER) and the equal-top-1 table under the grid's.
+  ``results.csv``, ``results.json`` (with the curves and those draws), and ``best.json``, ``{norm:
+  {PRETRAIN key: value}}``: each norm's best setting, for norms whose cells are all done;
+  ``tools/compare_norms.py --finetune --backbones best.json`` finetunes each setting from its backbone
+  norm's best backbone (FrozenBN from BN's). ``--publish FILE`` also writes the markdown. With
+  ``--equal-top1``, ``equal_top1.json`` (the same form, each norm's best setting with its
+  PRETRAIN.STOP_ITER) and the equal-top-1 table under the grid's.
 """
 
 from __future__ import annotations
@@ -261,14 +262,15 @@ def settled_best_cells(cells: Sequence[Cell], results: dict) -> dict[str, dict]:
 def best_draws(settled: dict[str, dict], cells: Sequence[Cell], configs: dict, seed: int) -> dict[str, dict[int, float]]:
     """Per settled norm with more than one draw in the cache, {SEED: val top-1} of its best setting's
     backbone pretrained with each of the finetune sweep's seeds (as ``compare_norms --backbone-seeds``
-    makes it: the same recipe, another initialisation and data order), the cell itself (SEED ``seed``) first."""
+    makes it: the same recipe, another initialisation and data order), the cell itself (SEED ``seed``)
+    first."""
     seeds = list(dict.fromkeys([seed, *DEFAULT_SEEDS]))
     draws = {}
     for norm, result in settled.items():
         cell = next(cell for cell in cells if cell.norm == norm and cell.setting == result["setting"])
         drawn = backbone_configs({norm: configs[cell]}, seeds, per_seed=True)
-        found = {seed: read_json(os.path.join(cached_backbone_folder(config), RESULTS_FILE))["val_top1"]
-                 for (_, seed), config in drawn.items() if is_cached(config)}  # fmt: skip
+        found = {drawn_seed: read_json(os.path.join(cached_backbone_folder(config), RESULTS_FILE))["val_top1"]
+                 for (_, drawn_seed), config in drawn.items() if is_cached(config)}  # fmt: skip
         if len(found) > 1:
             draws[norm] = found
     return draws
