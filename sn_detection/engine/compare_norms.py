@@ -30,7 +30,8 @@ Choices:
   seed finetunes the one backbone pretrained with the config's SEED, so the spread over seeds is the
   finetuning's only; with ``--backbone-seeds`` seed k finetunes a backbone pretrained with SEED k (the
   config's SEED gives the grid's cell), so that the spread includes the backbone's draw, which moves AP
-  more than the finetuning seed does.
+  more than the finetuning seed does. Settings whose runs of a seed start from the same weights are
+  also compared seed by seed (``report.within_backbone_differences``), where that draw cancels.
 - **Budget**: ``--iters N`` scales the config's schedule linearly (``SOLVER.STEPS`` and
   ``WARMUP_ITERS`` by N / MAX_ITER); without it the config's schedule is used as is.
 - **Resume**: each run has its own folder, ``OUTPUT_DIR/<setting>/seed<k>``; a run is finished when its
@@ -543,12 +544,13 @@ def write_outputs(
         return results
     order = list(dict.fromkeys(run.setting.name for run in runs))
     summaries = report.summarize(results, order)
+    pairs = report.within_backbone_differences(results, order)
     started = [run for run in runs if read_record(run.folder) is not None]
     unfinished = [
         f"{run.setting.name} seed {run.seed}" for run in started if not is_finished(run.folder, RESULTS_FILE)
     ]
     os.makedirs(output_dir, exist_ok=True)
-    report.write_markdown(os.path.join(output_dir, TABLE_FILE), description, summaries, unfinished)
+    report.write_markdown(os.path.join(output_dir, TABLE_FILE), description, summaries, unfinished, pairs)
     report.write_csv(os.path.join(output_dir, CSV_FILE), results, summaries)
     plots.plot_ap(summaries, results, os.path.join(output_dir, AP_PLOT_FILE))
     curves = {name: {} for name in order}
@@ -557,7 +559,7 @@ def write_outputs(
     plots.plot_loss_curves({name: seeds for name, seeds in curves.items() if any(seeds.values())},
                            os.path.join(output_dir, CURVES_FILE))  # fmt: skip
     if publish:
-        report.write_markdown(publish, description, summaries, unfinished)
+        report.write_markdown(publish, description, summaries, unfinished, pairs)
     return results
 
 

@@ -1,8 +1,16 @@
-"""The results of the norm comparison: mean ± std over seeds per setting, as a markdown table and a CSV.
+"""The results of the norm comparison: mean ± std over seeds per setting, as a markdown table and a CSV,
+and the differences between settings within a backbone.
 
 The spread is the sample standard deviation (n - 1 in the denominator) of the seeds' values; with a
 single run it is undefined: NaN in the CSV, left out of the table. A setting's mean is over its
 finished runs only, and the table says how many there were.
+
+*Within a backbone*: for two settings whose runs of a seed started from the same pretrained weights,
+the later setting's AP minus the earlier's, seed by seed (a paired difference), then mean ± std over
+those seeds. The backbone's draw is common to both runs of a pair and cancels; what is left is the
+settings' difference and the finetuning's seed. Where every seed draws its own backbone, the spread
+of a setting's AP holds the backbone's draw, and only the paired difference separates settings that
+share a backbone.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ CSV_COLUMNS = ("kind", "setting", "backbone", "head", "batch_average", "seed", "
                *SUMMARY_COLUMNS, "folder")  # fmt: skip
 # markdown column -> summary column, for the value columns
 _TABLE_VALUES = {"box AP": "box_AP", "box AP50": "box_AP50", "mask AP": "mask_AP", "mask AP50": "mask_AP50"}
+_DIFFERENCE_VALUES = {"box AP": "box_AP", "mask AP": "mask_AP"}
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,37 @@ def summarize(results: Sequence[RunResult], order: Sequence[str]) -> list[Settin
     return summaries
 
 
+@dataclass(frozen=True)
+class PairedDifference:
+    """``setting`` minus ``baseline``, over the seeds whose runs of both started from the same weights."""
+
+    setting: str
+    baseline: str
+    seeds: tuple[int, ...]
+    differences: dict[str, tuple[float, ...]]  # AP column -> one difference per seed
+
+    def mean_std(self, column: str) -> tuple[float, float]:
+        return mean_std(self.differences[column])
+
+
+def within_backbone_differences(results: Sequence[RunResult], order: Sequence[str]) -> list[PairedDifference]:
+    """For every two settings of ``order`` (the later minus the earlier) whose runs of some seed both
+    started from the same pretrained weights, their paired differences; settings trained from scratch
+    have none."""
+    runs = {(r.setting, r.seed): r for r in results}
+    seeds = sorted({r.seed for r in results})
+    pairs = []
+    for i, baseline in enumerate(order):
+        for setting in order[i + 1:]:
+            shared = [seed for seed in seeds if (setting, seed) in runs and (baseline, seed) in runs
+                      and runs[setting, seed].weights and runs[setting, seed].weights == runs[baseline, seed].weights]  # fmt: skip
+            if shared:
+                differences = {column: tuple(run_value(runs[setting, seed], column) - run_value(runs[baseline, seed], column)
+                                             for seed in shared) for column in _DIFFERENCE_VALUES.values()}  # fmt: skip
+                pairs.append(PairedDifference(setting, baseline, tuple(shared), differences))
+    return pairs
+
+
 def format_mean_std(mean: float, std: float, digits: int = 1) -> str:
     if math.isnan(std):
         return f"{mean:.{digits}f}"
@@ -119,11 +159,39 @@ def markdown_table(summaries: Sequence[SettingSummary]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(path: str, description: str, summaries: Sequence[SettingSummary], unfinished: Sequence[str]) -> None:
-    """``description`` (a paragraph), the table, and the runs that were started but did not finish."""
+def differences_table(pairs: Sequence[PairedDifference]) -> str:
+    """The *within a backbone* table: per pair, mean ± std of the paired differences, and in how many
+    seeds the setting was ahead."""
+    header = ["setting − baseline", "seeds", *(f"{name} difference" for name in _DIFFERENCE_VALUES),
+              *(f"{name} ahead in" for name in _DIFFERENCE_VALUES)]  # fmt: skip
+    lines = [
+        "#### Within a backbone", "",
+        "Each seed's run of a setting minus the same seed's run of a baseline that started from the same "
+        "pretrained weights, so that the backbone's draw cancels: mean ± sample standard deviation of those "
+        "differences over the seeds, and in how many of them the setting was ahead.", "",
+        "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+    ]  # fmt: skip
+    for pair in pairs:
+        spreads = []
+        for column in _DIFFERENCE_VALUES.values():
+            mean, std = pair.mean_std(column)
+            spreads.append(f"{mean:+.1f}" if math.isnan(std) else f"{mean:+.1f} ± {std:.1f}")
+        ahead = [f"{sum(d > 0 for d in pair.differences[column])} of {len(pair.seeds)}"
+                 for column in _DIFFERENCE_VALUES.values()]  # fmt: skip
+        lines.append(f"| {pair.setting} − {pair.baseline} | {', '.join(map(str, pair.seeds))} | "
+                     + " | ".join([*spreads, *ahead]) + " |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(path: str, description: str, summaries: Sequence[SettingSummary], unfinished: Sequence[str],
+                   pairs: Sequence[PairedDifference] = ()) -> None:  # fmt: skip
+    """``description`` (a paragraph), the table, the runs that were started but did not finish, and the
+    differences within a backbone, if any."""
     text = description.strip() + "\n\n" + markdown_table(summaries)
     if unfinished:
         text += "\nFailed or unfinished runs (left out above): " + ", ".join(unfinished) + "\n"
+    if pairs:
+        text += "\n" + differences_table(pairs)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
 

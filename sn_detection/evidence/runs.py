@@ -47,6 +47,7 @@ class RunResult:
     final_loss: float  # the last logged total_loss (detectron2's 20-iteration median)
     folder: str
     backbone_top1: float = math.nan  # val top-1 of the pretrained backbone it started from; NaN: none known
+    weights: str | None = None  # the MODEL.WEIGHTS it started from; None: from scratch
 
 
 def is_finished(folder: str, results_file: str) -> bool:
@@ -117,6 +118,7 @@ def read_result(folder: str, results_file: str, backbone_results_file: str | Non
         final_loss=curve[-1][1] if curve else math.nan,
         folder=folder,
         backbone_top1=_backbone_top1(record["train_args"], backbone_results_file),
+        weights=initial_weights(record["train_args"]),
     )
 
 

@@ -1,5 +1,5 @@
 """The results of the norm comparison from hand-made runs: reading a run folder, mean ± std per setting,
-the markdown table, the CSV and the plots."""
+the markdown table, differences within a backbone, the CSV and the plots."""
 
 import csv
 import json
@@ -12,13 +12,13 @@ from sn_detection.evidence import plots, report
 from sn_detection.evidence.runs import RunResult, loss_curve, read_result, write_record
 
 
-def result(setting, seed, box_ap, mask_ap, batch_average=0, wall_s=100.0, backbone_top1=math.nan):
+def result(setting, seed, box_ap, mask_ap, batch_average=0, wall_s=100.0, backbone_top1=math.nan, weights=None):
     backbone, _, head = setting.partition("/")
     metrics = {column: math.nan for column in ("box_AP50", "box_AP75", "mask_AP50", "mask_AP75")}
     metrics.update(box_AP=box_ap, mask_AP=mask_ap)
     metrics.update(box_AP50=2 * box_ap, mask_AP50=2 * mask_ap)
     return RunResult(setting, backbone, head or backbone, seed, 400, batch_average, metrics, wall_s, 0.25, 1.5, "x",
-                     backbone_top1)  # fmt: skip
+                     backbone_top1, weights)  # fmt: skip
 
 
 RESULTS = [
@@ -73,6 +73,35 @@ def test_the_backbone_top1_column_is_there_where_a_backbone_is_known():
     assert lines[0].startswith("| setting | backbone | FPN + heads | test statistics | runs | backbone top-1 | box AP |")
     assert [line.split(" | ")[5] for line in lines[2:]] == ["55.6 %", "62.0 ± 2.8 %", "–"]
     assert "backbone top-1" not in report.markdown_table(report.summarize(RESULTS, ["GN"]))
+
+
+def test_settings_that_start_from_the_same_weights_are_compared_seed_by_seed(tmp_path):
+    """Each seed draws its own backbone (its AP moves with it); the heads' difference is paired within it."""
+    runs = [
+        result("FrozenBN/-", 1, 20.0, 19.0, weights="bn-seed1.pth"),
+        result("FrozenBN/-", 2, 14.0, 13.0, weights="bn-seed2.pth"),
+        result("FrozenBN/-", 3, 17.0, 16.0, weights="bn-seed3.pth"),
+        result("FrozenBN/SN", 1, 25.0, 23.0, weights="bn-seed1.pth"),
+        result("FrozenBN/SN", 2, 17.0, 16.0, weights="bn-seed2.pth"),
+        result("FrozenBN/SN", 3, 15.0, 17.0, weights="another.pth"),  # not the same backbone: not paired
+        result("GN", 1, 30.0, 29.0, weights="gn-seed1.pth"),  # another backbone
+        result("SN", 1, 9.0, 8.0),  # from scratch, as is the next
+        result("SN/GN", 1, 8.0, 7.0),
+    ]
+    order = ["FrozenBN/-", "FrozenBN/SN", "GN", "SN", "SN/GN"]
+    (pair,) = report.within_backbone_differences(runs, order)
+    assert (pair.setting, pair.baseline, pair.seeds) == ("FrozenBN/SN", "FrozenBN/-", (1, 2))
+    assert pair.differences == {"box_AP": (5.0, 3.0), "mask_AP": (4.0, 3.0)}
+    assert pair.mean_std("box_AP") == (4.0, pytest.approx(math.sqrt(2)))
+
+    path = tmp_path / "table.md"
+    report.write_markdown(str(path), "What was run.", report.summarize(runs, order), [], [pair])
+    text = path.read_text()
+    assert "#### Within a backbone" in text
+    assert "| FrozenBN/SN − FrozenBN/- | 1, 2 | +4.0 ± 1.4 | +3.5 ± 0.7 | 2 of 2 | 2 of 2 |" in text
+    report.write_markdown(str(path), "What was run.", report.summarize(RESULTS, ["SN", "GN"]), [],
+                          report.within_backbone_differences(RESULTS, ["SN", "GN"]))  # fmt: skip
+    assert "Within a backbone" not in path.read_text()  # trained from scratch: nothing shared
 
 
 def test_markdown_file_names_unfinished_runs(tmp_path):
@@ -142,6 +171,7 @@ def test_a_run_folder_is_read(tmp_path):
     assert math.isnan(run.backbone_top1)
     assert read_result(str(tmp_path), RESULTS_FILE, "pretrained.json").backbone_top1 == 68.25
     assert math.isnan(read_result(str(tmp_path), RESULTS_FILE, "missing.json").backbone_top1)
+    assert run.weights == str(backbone / "backbone.pth")  # what pairs it with runs from the same backbone
 
 
 def test_a_run_without_masks_is_refused(tmp_path):
