@@ -509,12 +509,16 @@ def describe(
                                for norm, overrides in best.items())  # fmt: skip
             init += f", each norm with its PRETRAIN setting in `{path}` (`tools/pretrain_grid.py`: {chosen})"
         init += (
-            "; each seed from a backbone pretrained with that seed (`--backbone-seeds`), so the spread includes "
-            "the backbone's" if backbone_seeds else
-            f"; every seed from the one backbone pretrained with SEED {cfg.SEED}, so the spread is the finetuning's only"
+            "; each seed from a backbone pretrained with that seed (`--backbone-seeds`: the spread includes the "
+            "backbone's draw)," if backbone_seeds else
+            f"; every seed from the one backbone pretrained with SEED {cfg.SEED} (the spread is the finetuning's "
+            "only),"
         )  # fmt: skip
+    title = "Norm settings compared on this machine"
+    if finetuned and backbones:
+        title = f"Norm settings finetuned from the backbones of `{os.path.basename(backbones[0])}`"
     return (
-        f"### Norm settings compared on this machine (`{tool}`, measured here)\n\n"
+        f"### {title} (`{tool}`, measured here)\n\n"
         f"Mask R-CNN R{cfg.MODEL.RESNETS.DEPTH}-FPN (`{config}`: {cfg.INPUT.MIN_SIZE_TEST} px inputs, FPN and "
         f"heads {cfg.MODEL.FPN.OUT_CHANNELS} wide) {init} on `{cfg.DATASETS.TRAIN[0]}` at "
         f"{cfg.SOLVER.IMS_PER_BATCH} images per batch for {', '.join(map(str, iterations))} iterations "

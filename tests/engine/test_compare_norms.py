@@ -352,9 +352,14 @@ def test_backbone_seeds_pretrain_a_backbone_per_seed_the_configs_seed_the_grids(
         assert planned["backbones"] == {("SN", seed): path(expected["SN", seed]) for seed in seeds[:2]}
     runs = plan_runs(cfg, compare_norms.DEFAULT_FINETUNE_CONFIG, settings[2:], seeds[:1], str(tmp_path),
                      backbones={("SN", seeds[0]): "backbone.pth"})  # fmt: skip
-    assert "the spread includes the backbone's" in compare_norms.describe(cfg, CONFIG, runs, backbone_seeds=True)
+    assert "(`--backbone-seeds`: the spread includes the backbone's draw), on" in compare_norms.describe(
+        cfg, CONFIG, runs, backbone_seeds=True)  # fmt: skip
     shared_text = compare_norms.describe(cfg, CONFIG, runs)
-    assert f"pretrained with SEED {cfg.SEED}, so the spread is the finetuning's only" in shared_text
+    assert f"pretrained with SEED {cfg.SEED} (the spread is the finetuning's only), on" in shared_text
+    assert shared_text.startswith("### Norm settings compared on this machine (`tools/compare_norms.py --finetune`")
+    from_grid = compare_norms.describe(cfg, CONFIG, runs, backbones=("grid/best.json", {"SN": {"PRETRAIN.BASE_LR": 0.2}}))
+    assert from_grid.startswith("### Norm settings finetuned from the backbones of `best.json` (`tools/compare_norms.py")
+    assert "its PRETRAIN setting in `grid/best.json` (`tools/pretrain_grid.py`: SN: PRETRAIN.BASE_LR 0.2)" in from_grid
     with pytest.raises(SystemExit):
         compare_norms.parse_args(["--backbone-seeds"])
     assert "--backbone-seeds seeds the pretrained backbones of --finetune" in capsys.readouterr().err
