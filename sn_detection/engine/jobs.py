@@ -73,12 +73,18 @@ def has_checkpoint(folder: str) -> bool:
 
 
 def checkpointed_iterations(folder: str) -> int:
-    """How many iterations a training resumed in ``folder`` does not run again: its last checkpoint's
-    iteration + 1; 0 without a checkpoint."""
+    """How many iterations a training resumed in ``folder`` does not run again, for an estimate: its last
+    checkpoint's iteration + 1; 0 without a checkpoint, or with one that cannot be read (logged: resuming
+    from it fails in the job, which is where that error belongs, not in the estimate before every job)."""
     checkpointer = DetectionCheckpointer(nn.Module(), save_dir=folder)
     if not checkpointer.has_checkpoint():
         return 0
-    state = torch.load(checkpointer.get_checkpoint_file(), map_location="cpu", weights_only=False)
+    path = checkpointer.get_checkpoint_file()
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as error:  # any unreadable file: the estimate counts it as not started
+        logger.warning("cannot read the checkpoint %s (%s): the estimate counts its training from the start", path, error)
+        return 0
     return int(state.get("iteration", -1)) + 1
 
 

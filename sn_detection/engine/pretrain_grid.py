@@ -261,9 +261,9 @@ def settled_best_cells(cells: Sequence[Cell], results: dict) -> dict[str, dict]:
 
 def best_draws(settled: dict[str, dict], cells: Sequence[Cell], configs: dict, seed: int) -> dict[str, dict[int, float]]:
     """Per settled norm with more than one draw in the cache, {SEED: val top-1} of its best setting's
-    backbone pretrained with each of the finetune sweep's seeds (as ``compare_norms --backbone-seeds``
-    makes it: the same recipe, another initialisation and data order), the cell itself (SEED ``seed``)
-    first."""
+    backbone pretrained with each of the finetune sweep's default seeds (``compare_norms.DEFAULT_SEEDS``, as
+    ``--backbone-seeds`` makes them: the same recipe, another initialisation and data order), the cell
+    itself (SEED ``seed``) first."""
     seeds = list(dict.fromkeys([seed, *DEFAULT_SEEDS]))
     draws = {}
     for norm, result in settled.items():
@@ -431,8 +431,8 @@ def markdown(description: str, cells: Sequence[Cell], results: dict, target: Opt
 
 def draws_markdown(draws: dict[str, dict[int, float]], settled: dict[str, dict]) -> str:
     """The table of ``best_draws``: each norm's best setting drawn again, and the spread of its draws."""
-    seeds = list(dict.fromkeys(seed for found in draws.values() for seed in found))
-    cell_seed = seeds[0]
+    cell_seed = next(iter(next(iter(draws.values()))))
+    seeds = [cell_seed, *sorted({seed for found in draws.values() for seed in found} - {cell_seed})]
     lines = [
         "#### Each norm's best setting, drawn again", "",
         "The backbone of each norm's best setting pretrained again with another SEED (the same recipe, another "

@@ -167,17 +167,19 @@ def differences_table(pairs: Sequence[PairedDifference]) -> str:
     lines = [
         "#### Within a backbone", "",
         "Each seed's run of a setting minus the same seed's run of a baseline that started from the same "
-        "pretrained weights, so that the backbone's draw cancels: mean ± sample standard deviation of those "
-        "differences over the seeds, and in how many of them the setting was ahead.", "",
+        "pretrained weights, so that the backbone's draw cancels (where every seed started from one backbone, "
+        "the differences are that backbone's): mean ± sample standard deviation of those differences over "
+        "the seeds, and in how many of them the setting was ahead.", "",
         "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
     ]  # fmt: skip
     for pair in pairs:
-        spreads = []
+        spreads, ahead = [], []
         for column in _DIFFERENCE_VALUES.values():
             mean, std = pair.mean_std(column)
-            spreads.append(f"{mean:+.1f}" if math.isnan(std) else f"{mean:+.1f} ± {std:.1f}")
-        ahead = [f"{sum(d > 0 for d in pair.differences[column])} of {len(pair.seeds)}"
-                 for column in _DIFFERENCE_VALUES.values()]  # fmt: skip
+            spreads.append("–" if math.isnan(mean) else f"{mean:+.1f}" if math.isnan(std) else f"{mean:+.1f} ± {std:.1f}")
+            # a NaN AP (no detection at all) is neither ahead nor behind: counted out
+            finite = [d for d in pair.differences[column] if not math.isnan(d)]
+            ahead.append(f"{sum(d > 0 for d in finite)} of {len(finite)}")
         lines.append(f"| {pair.setting} − {pair.baseline} | {', '.join(map(str, pair.seeds))} | "
                      + " | ".join([*spreads, *ahead]) + " |")  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -243,8 +243,10 @@ DEFAULT_PRETRAINED_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "sn_de
 
 
 def pretrained_root() -> str:
-    """Where cached backbones are kept: ``$SN_DETECTION_PRETRAINED``, else ``DEFAULT_PRETRAINED_ROOT``."""
-    return os.environ.get("SN_DETECTION_PRETRAINED", DEFAULT_PRETRAINED_ROOT)
+    """Where cached backbones are kept: ``$SN_DETECTION_PRETRAINED``, else ``DEFAULT_PRETRAINED_ROOT``; as an
+    absolute path, since the backbone paths made from it are recorded and compared by runs started from
+    other working directories."""
+    return os.path.abspath(os.environ.get("SN_DETECTION_PRETRAINED", DEFAULT_PRETRAINED_ROOT))
 
 
 def cache_key(cfg: CfgNode) -> dict:

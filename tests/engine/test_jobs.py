@@ -59,3 +59,17 @@ def test_run_jobs_returns_the_failed_in_plan_order_and_checks_each_is_done():
     failed = jobs.run_jobs(["a", "b", "c", "d"], run, 2, done=lambda job: job != "c", name=str, log_of=str,
                            after_each=lambda: reported.append(len(ran)))  # fmt: skip
     assert failed == ["b", "c"] and sorted(ran) == ["a", "b", "c", "d"] and len(reported) == 4
+
+
+def test_checkpointed_iterations_are_those_before_the_last_checkpoint(tmp_path, caplog):
+    """What an estimate takes off a resumed job: the last checkpoint's iteration + 1 (detectron2 saves the
+    index of the iteration just finished); nothing without a checkpoint, or with one that cannot be read."""
+    assert jobs.checkpointed_iterations(str(tmp_path)) == 0
+    checkpointer = jobs.DetectionCheckpointer(jobs.nn.Linear(1, 1), save_dir=str(tmp_path))
+    checkpointer.save("model_0000009", iteration=9)
+    assert jobs.checkpointed_iterations(str(tmp_path)) == 10
+    checkpointer.save("model_0000019", iteration=19)
+    assert jobs.checkpointed_iterations(str(tmp_path)) == 20
+    (tmp_path / "model_0000019.pth").write_bytes(b"cut off")  # a half-written file, as a kill may leave
+    assert jobs.checkpointed_iterations(str(tmp_path)) == 0
+    assert "cannot read the checkpoint" in caplog.text and "model_0000019.pth" in caplog.text

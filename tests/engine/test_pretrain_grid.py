@@ -16,6 +16,7 @@ import pytest
 
 from sn_detection.engine import compare_norms, jobs, pretrain_grid
 from sn_detection.engine.launch import load_cfg
+from sn_detection.engine.compare_norms import Setting
 from sn_detection.engine.pretrain_grid import Cell, cell_cfg, iterations_to_reach, plan_cells, top1_curve
 from sn_detection.pretraining import train as pretraining_train
 from sn_detection.pretraining.train import cached_backbone, cached_backbone_folder, cached_backbone_path, pretrain
@@ -220,7 +221,9 @@ def test_the_table_shows_each_norms_best_setting_drawn_again(tmp_path, monkeypat
     opts = tiny_pretrain_keys(tiny_classification_set)
     cfg = load_cfg(CONFIG, opts)
     worse, best = (Cell("GN", (("PRETRAIN.BASE_LR", lr),)) for lr in (0.1, 0.2))
-    second_draw = compare_norms.backbone_configs({"GN": cell_cfg(cfg, best)}, [2], per_seed=True)["GN", 2]
+    # the draw as compare_norms --finetune --backbones best.json --backbone-seeds --seeds 1 2 asks for it
+    per_norm = compare_norms.pretraining_configs(cfg, [Setting("GN", "GN")], {"GN": {"PRETRAIN.BASE_LR": 0.2}})
+    second_draw = compare_norms.backbone_configs(per_norm, [1, 2], per_seed=True)["GN", 2]
     # the grid's cells and one draw of the best, made here with known top-1: in the cache, whoever made them
     for config, top1 in ((cell_cfg(cfg, worse), 30.0), (cell_cfg(cfg, best), 40.0), (second_draw, 36.0)):
         with monkeypatch.context() as patch:

@@ -103,6 +103,12 @@ def test_settings_that_start_from_the_same_weights_are_compared_seed_by_seed(tmp
                           report.within_backbone_differences(RESULTS, ["SN", "GN"]))  # fmt: skip
     assert "Within a backbone" not in path.read_text()  # trained from scratch: nothing shared
 
+    # a run without any detection has NaN AP: its difference is neither ahead nor behind
+    blank = [result("FrozenBN/-", 1, 20.0, 19.0, weights="w1"), result("FrozenBN/SN", 1, math.nan, math.nan, weights="w1"),
+             result("FrozenBN/-", 2, 14.0, 13.0, weights="w2"), result("FrozenBN/SN", 2, 17.0, 12.0, weights="w2")]  # fmt: skip
+    table = report.differences_table(report.within_backbone_differences(blank, order))
+    assert "| FrozenBN/SN − FrozenBN/- | 1, 2 | – | – | 1 of 1 | 0 of 1 |" in table
+
 
 def test_markdown_file_names_unfinished_runs(tmp_path):
     path = tmp_path / "table.md"
