@@ -398,7 +398,7 @@ def _top1_text(result: Optional[dict], best: bool) -> str:
 
 
 def markdown(description: str, cells: Sequence[Cell], results: dict, target: Optional[float]) -> str:
-    best = best_cells([results[cell] for cell in cells if cell in results])
+    best = settled_best_cells(cells, results)  # as best.json: a norm with cells to run has no best yet
     settings = list(dict.fromkeys(cell.setting for cell in cells))
     norms = list(dict.fromkeys(cell.norm for cell in cells))
     lines = [description, "", "| norm | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
