@@ -483,8 +483,7 @@ def write_outputs(output_dir, description, cells, results, target, publish=None,
     also equal_top1.json and their table. Returns best.json's content."""
     os.makedirs(output_dir, exist_ok=True)
     done = [results[cell] for cell in cells if cell in results]
-    best = best_cells(done)
-    settled = settled_best_cells(cells, results)
+    settled = settled_best_cells(cells, results)  # the "best" of the table, CSV, JSON and best.json alike
     best_overrides = {norm: result["overrides"] for norm, result in settled.items()}
     drawn = draws(settled) if draws else {}
     text = markdown(description, cells, results, target)
@@ -504,10 +503,10 @@ def write_outputs(output_dir, description, cells, results, target, publish=None,
         writer.writeheader()
         for result in done:
             reached = result.get("iterations_to_target", "")
-            writer.writerow({**result, "best": best[result["norm"]] is result,
+            writer.writerow({**result, "best": settled.get(result["norm"]) is result,
                              "iterations_to_target": NOT_REACHED if reached is None else reached})  # fmt: skip
     write_json(os.path.join(output_dir, JSON_FILE), {
-        "cells": [{**result, "best": best[result["norm"]] is result} for result in done],
+        "cells": [{**result, "best": settled.get(result["norm"]) is result} for result in done],
         "not_done": [{"norm": cell.norm, "setting": cell.setting} for cell in cells if cell not in results],
         "best_draws": {norm: {str(seed): top1 for seed, top1 in found.items()} for norm, found in drawn.items()},
         "target_top1": target,

@@ -9,6 +9,7 @@ nothing and are not checked."""
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -237,12 +238,16 @@ def test_the_table_shows_each_norms_best_setting_drawn_again(tmp_path, monkeypat
     assert "| GN | LR 0.2 | 40.00 % | 36.00 % | 38.0 ± 2.8 % |" in table
     assert json.loads((output / "results.json").read_text())["best_draws"] == {"GN": {"1": 40.0, "2": 36.0}}
 
-    # a norm with a cell still to run has no best yet: nothing in bold, as best.json names none
-    partial = pretrain_grid.markdown("", [worse, best, Cell("GN", (("PRETRAIN.BASE_LR", 0.4),))],
-                                     {cell: {"norm": "GN", "setting": cell.setting, "val_top1": top1, "wall_s": 60.0,
-                                             "iterations": 3, "s_per_iter": 1.0}
-                                      for cell, top1 in ((worse, 30.0), (best, 40.0))}, None)  # fmt: skip
-    assert "| GN | 30.0 % (60 s) | 40.0 % (60 s) | – |" in partial and "(best)" not in partial
+    # a norm with a cell still to run has no best yet: not in the table, the CSV or the JSON, as best.json
+    partial = tmp_path / "partial"
+    assert pretrain_grid.main(["--norms", "GN", "--lrs", "0.1,0.2,0.4", "--report-only", "--output-dir", str(partial),
+                               *opts]) == 0  # fmt: skip
+    table = (partial / "results.md").read_text()
+    assert re.search(r"\| GN \| 30\.0 % \([^)]*\) \| 40\.0 % \([^)]*\) \| – \|", table) and "(best)" not in table
+    with open(partial / "results.csv") as f:
+        assert [row["best"] for row in csv.DictReader(f)] == ["False", "False"]
+    assert not any(cell["best"] for cell in json.loads((partial / "results.json").read_text())["cells"])
+    assert json.loads((partial / "best.json").read_text()) == {}
 
     # without another draw of a best setting there is no such table
     shutil.rmtree(cached_backbone_folder(second_draw))
