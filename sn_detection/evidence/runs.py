@@ -105,6 +105,7 @@ def read_result(folder: str, results_file: str, backbone_results_file: str | Non
         raise ValueError(f"{folder}/{results_file} has no {missing} results: the comparison needs box and mask AP")
     times = [row["time"] for row in read_metrics(folder) if "time" in row]
     curve = loss_curve(folder)
+    weights = initial_weights(record["train_args"])
     return RunResult(
         setting=record["setting"],
         backbone=record["backbone"],
@@ -117,8 +118,8 @@ def read_result(folder: str, results_file: str, backbone_results_file: str | Non
         s_per_iter=statistics.median(times) if times else math.nan,
         final_loss=curve[-1][1] if curve else math.nan,
         folder=folder,
-        backbone_top1=_backbone_top1(record["train_args"], backbone_results_file),
-        weights=initial_weights(record["train_args"]),
+        backbone_top1=_backbone_top1(weights, backbone_results_file),
+        weights=weights,
     )
 
 
@@ -129,10 +130,9 @@ def initial_weights(train_args: Sequence[str]) -> str | None:
     return weights[-1] if weights else None
 
 
-def _backbone_top1(train_args: Sequence[str], backbone_results_file: str | None) -> float:
-    """``val_top1`` of the results file beside the run's initial weights; NaN without weights, or where
+def _backbone_top1(weights: str | None, backbone_results_file: str | None) -> float:
+    """``val_top1`` of the results file beside a run's initial ``weights``; NaN without weights, or where
     no such file or value is."""
-    weights = initial_weights(train_args)
     if not backbone_results_file or not weights:
         return math.nan
     path = os.path.join(os.path.dirname(weights), backbone_results_file)
