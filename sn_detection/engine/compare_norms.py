@@ -318,7 +318,8 @@ def print_plan(runs: Sequence[RunSpec], pretraining: dict[tuple[str, int], CfgNo
             basis = (f"{per_iter:.2f} s/iter, the median of {count} cached {norm} backbone(s)' training time"
                      if count else f"no cached {norm} backbone to estimate from")  # fmt: skip
             resumed = f", resumed after {done} checkpointed" if done else ""
-            print(f"  {norm}, SEED {config.SEED}, {steps} iterations{resumed}: "
+            at_most = f"at most (it stops at {config.PRETRAIN.STOP_TOP1:g} % top-1) " if config.PRETRAIN.STOP_TOP1 else ""
+            print(f"  {norm}, SEED {config.SEED}, {at_most}{steps} iterations{resumed}: "
                   f"{format_duration(per_iter * (steps - done))} ({basis})", flush=True)  # fmt: skip
     if todo:
         per_run = statistics.median(result.wall_s for result in finished) if finished else math.nan

@@ -38,13 +38,16 @@ cell). FrozenBN is pretrained as BN (``pretrained_norm``), so it is the BN cell.
   reach X within the budget shows "not reached", and the iteration is only as fine as EVAL_PERIOD (the
   end of training is always evaluated).
 - **Equal top-1** (``--equal-top1``): once a norm's cells are all done, its best setting is trained again
-  in a cell of its own, stopped by PRETRAIN.STOP_ITER at the first evaluated iteration at which the grid
-  cell reached X: the same run cut short (the same seed, data stream and schedule of PRETRAIN.MAX_ITER),
-  then batch-averaged and evaluated as every cell is, into the cache. So every norm gets a backbone of
-  about X % top-1, and the iterations it needed are a finding of their own. X is ``--target-top1``, by
-  default the lowest of the norms' best top-1 rounded down to a whole percent (known once every cell is
-  done), so that every norm reaches it; a norm whose best never did is reported as not reached. A stop
-  at the end of the schedule is the best cell itself.
+  in a cell of its own with PRETRAIN.STOP_TOP1 X: it stops at the first periodic evaluation whose top-1
+  reaches X, so it is the best cell's run (the same seed, data stream and schedule of PRETRAIN.MAX_ITER)
+  cut short where that cell first reached X, then batch-averaged and evaluated as every cell is, into
+  the cache. So every norm gets a backbone of about X % top-1, and the iterations it needed are a
+  finding of their own; and since the stop is the config's, ``compare_norms --backbone-seeds`` draws of it
+  stop at X too, each after its own number of iterations. X is ``--target-top1``, by default the lowest
+  of the norms' best top-1 rounded down to a whole percent (known once every cell is done), so that every
+  norm reaches it; a norm whose best never did is reported as not reached. A norm whose best cell first
+  reached X at its end (the final evaluation) is that cell itself: stopping at X would train the same run
+  to the same end.
 - **Outputs** in OUTPUT_DIR: ``results.md`` (top-1 per norm x setting with wall times, each norm's best
   setting by val top-1 in bold, then a row per cell, and where the cache holds other draws of a best
   setting (another SEED, as ``compare_norms --backbone-seeds`` makes them) a table of the draws),
@@ -52,8 +55,9 @@ cell). FrozenBN is pretrained as BN (``pretrained_norm``), so it is the BN cell.
   {PRETRAIN key: value}}``: each norm's best setting, for norms whose cells are all done;
   ``tools/compare_norms.py --finetune --backbones best.json`` finetunes each setting from its backbone
   norm's best backbone (FrozenBN from BN's). ``--publish FILE`` also writes the markdown. With
-  ``--equal-top1``, ``equal_top1.json`` (the same form, each norm's best setting with its
-  PRETRAIN.STOP_ITER) and the equal-top-1 table under the grid's.
+  ``--equal-top1``, ``equal_top1.json`` (the same form, each norm's best setting with PRETRAIN.STOP_TOP1
+  and the PRETRAIN.EVAL_PERIOD it is checked at) and the equal-top-1 table under the grid's, with a table
+  of its draws where the cache has them.
 """
 
 from __future__ import annotations
@@ -121,12 +125,14 @@ class Cell:
 
     @property
     def setting(self) -> str:
-        names = {"PRETRAIN.BASE_LR": "LR", "PRETRAIN.WARMUP_ITERS": "warm-up", "PRETRAIN.STOP_ITER": "stopped at"}
+        names = {"PRETRAIN.BASE_LR": "LR", "PRETRAIN.WARMUP_ITERS": "warm-up", "PRETRAIN.STOP_ITER": "stopped at",
+                 "PRETRAIN.STOP_TOP1": "stopped at top-1", "PRETRAIN.EVAL_PERIOD": "evaluated every"}  # fmt: skip
         return ", ".join(f"{names.get(key, key)} {value}" for key, value in self.overrides)
 
     @property
     def name(self) -> str:
-        short = {"PRETRAIN.BASE_LR": "lr", "PRETRAIN.WARMUP_ITERS": "warmup", "PRETRAIN.STOP_ITER": "stop"}
+        short = {"PRETRAIN.BASE_LR": "lr", "PRETRAIN.WARMUP_ITERS": "warmup", "PRETRAIN.STOP_ITER": "stop",
+                 "PRETRAIN.STOP_TOP1": "top1-", "PRETRAIN.EVAL_PERIOD": "eval"}  # fmt: skip
         return "-".join([self.norm, *(f"{short.get(key, key)}{value}" for key, value in self.overrides)])
 
 
@@ -201,13 +207,16 @@ def check_cell_folders(output_dir: str, cells: Sequence[Cell], configs: dict) ->
 def top1_curve(metrics_path: str, max_iter: int) -> list[tuple[int, float]]:
     """(iterations trained, val top-1) of each evaluation in metrics.json. detectron2 logs a periodic
     evaluation at the index of the iteration it follows (so after index + 1 iterations) and the final one
-    at ``max_iter``; a resumed run appends, so an evaluation logged twice keeps its latest value."""
+    at ``max_iter`` (the iterations trained) or its index; a resumed run appends, so an evaluation logged
+    twice keeps its latest value, and so does the final one over a periodic one after the same iterations
+    (PRETRAIN.STOP_TOP1's stop: the final one is after the batch average)."""
     if not os.path.isfile(metrics_path):
         return []
     with open(metrics_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     by_iteration = {row["iteration"]: row["val_top1"] for row in rows if "val_top1" in row}
-    return sorted(((it if it >= max_iter else it + 1), top1) for it, top1 in by_iteration.items())
+    trained = {(it if it >= max_iter else it + 1): top1 for it, top1 in sorted(by_iteration.items())}
+    return sorted(trained.items())
 
 
 def iterations_to_reach(curve: Sequence[tuple[int, float]], target: float) -> Optional[int]:
@@ -259,21 +268,29 @@ def settled_best_cells(cells: Sequence[Cell], results: dict) -> dict[str, dict]:
             if all(cell in results for cell in cells if cell.norm == norm)}  # fmt: skip
 
 
-def best_draws(settled: dict[str, dict], cells: Sequence[Cell], configs: dict, seed: int) -> dict[str, dict[int, float]]:
-    """Per settled norm with more than one draw in the cache, {SEED: val top-1} of its best setting's
-    backbone pretrained with each of the finetune sweep's default seeds (``compare_norms.DEFAULT_SEEDS``, as
-    ``--backbone-seeds`` makes them: the same recipe, another initialisation and data order), the cell
-    itself (SEED ``seed``) first."""
+def cell_draws(chosen: dict[str, CfgNode], seed: int) -> dict[str, dict[int, dict]]:
+    """Per norm of ``chosen`` ({norm: a cell's config}) with more than one draw in the cache, {SEED:
+    results.json} of that cell's backbone pretrained with each of the finetune sweep's default seeds
+    (``compare_norms.DEFAULT_SEEDS``, as ``--backbone-seeds`` makes them: the same recipe, another
+    initialisation and data order), the cell itself (SEED ``seed``) first."""
     seeds = list(dict.fromkeys([seed, *DEFAULT_SEEDS]))
     draws = {}
-    for norm, result in settled.items():
-        cell = next(cell for cell in cells if cell.norm == norm and cell.setting == result["setting"])
-        drawn = backbone_configs({norm: configs[cell]}, seeds, per_seed=True)
-        found = {drawn_seed: read_json(os.path.join(cached_backbone_folder(config), RESULTS_FILE))["val_top1"]
+    for norm, config in chosen.items():
+        drawn = backbone_configs({norm: config}, seeds, per_seed=True)
+        found = {drawn_seed: read_json(os.path.join(cached_backbone_folder(config), RESULTS_FILE))
                  for (_, drawn_seed), config in drawn.items() if is_cached(config)}  # fmt: skip
         if len(found) > 1:
             draws[norm] = found
     return draws
+
+
+def best_draws(settled: dict[str, dict], cells: Sequence[Cell], configs: dict, seed: int) -> dict[str, dict[int, float]]:
+    """Per settled norm with more than one draw in the cache (``cell_draws``), {SEED: val top-1} of its best
+    setting's backbones."""
+    chosen = {norm: configs[next(cell for cell in cells if cell.norm == norm and cell.setting == result["setting"])]
+              for norm, result in settled.items()}  # fmt: skip
+    return {norm: {drawn_seed: results["val_top1"] for drawn_seed, results in found.items()}
+            for norm, found in cell_draws(chosen, seed).items()}  # fmt: skip
 
 
 def lowest_best_top1(cells: Sequence[Cell], results: dict, norms: int) -> Optional[float]:
@@ -285,17 +302,22 @@ def lowest_best_top1(cells: Sequence[Cell], results: dict, norms: int) -> Option
     return float(math.floor(min(result["val_top1"] for result in settled.values())))
 
 
-def equal_top1_cells(cells: Sequence[Cell], results: dict, target: float) -> tuple[dict[str, Cell], list[str]]:
-    """``--equal-top1``: per norm with a settled best, that setting stopped (PRETRAIN.STOP_ITER) at the
-    first evaluated iteration at which its grid cell reached ``target``; and the norms whose best never
-    did. A stop at the end of the schedule is the best cell itself (the same cache key)."""
+def equal_top1_cells(cells: Sequence[Cell], results: dict, target: float,
+                     eval_period: int) -> tuple[dict[str, Cell], list[str]]:  # fmt: skip
+    """``--equal-top1``: per norm with a settled best, that setting with PRETRAIN.STOP_TOP1 ``target``
+    checked every ``eval_period`` iterations (the grid's PRETRAIN.EVAL_PERIOD, so that it stops where its
+    grid cell first reached ``target``), or the best cell itself where that was at its end; and the norms
+    whose best never reached it."""
     equal, not_reached = {}, []
     for norm, best in settled_best_cells(cells, results).items():
         stop = iterations_to_reach(best["top1_curve"], target)
         if stop is None:
             not_reached.append(norm)
+        elif stop >= best["iterations"]:
+            equal[norm] = Cell(norm, tuple(best["overrides"].items()))
         else:
-            equal[norm] = Cell(norm, (*best["overrides"].items(), ("PRETRAIN.STOP_ITER", stop)))
+            stopping = (("PRETRAIN.STOP_TOP1", float(target)), ("PRETRAIN.EVAL_PERIOD", int(eval_period)))
+            equal[norm] = Cell(norm, (*best["overrides"].items(), *stopping))
     return equal, not_reached
 
 
@@ -455,32 +477,67 @@ def equal_markdown(target: float, equal: dict[str, Cell], not_reached: Sequence[
     """The ``--equal-top1`` table: per norm, the iterations its best setting needed to reach ``target``."""
     lines = [
         f"#### Trained to {target:g} % (`--equal-top1`)", "",
-        f"Each norm's best setting trained again and stopped (PRETRAIN.STOP_ITER) at the first evaluated "
-        f"iteration at which its grid cell had reached {target:g} % val top-1 (with the moving averages), the "
-        "same run cut short; then batch-averaged and evaluated as every cell is. `equal_top1.json` holds these "
-        "settings for `tools/compare_norms.py --finetune --backbones`.", "",
-        f"| norm | setting | iterations to {target:g} % | top-1 there in the grid cell | val top-1 | wall |",
+        f"Each norm's best setting trained again with PRETRAIN.STOP_TOP1 {target:g}: it stops at the first "
+        f"evaluation (with the moving averages) at which val top-1 reached {target:g} %, where its grid cell, the "
+        "same run, first did; then it is batch-averaged and evaluated as every cell is. A norm whose grid cell "
+        f"reached {target:g} % only at its end is that cell. `equal_top1.json` holds these settings for "
+        "`tools/compare_norms.py --finetune --backbones`.", "",
+        f"| norm | setting | iterations to {target:g} % | top-1 there (grid cell) | val top-1 | wall |",
         "|---|---|---|---|---|---|",
     ]  # fmt: skip
     for norm, cell in equal.items():
-        stop = dict(cell.overrides)["PRETRAIN.STOP_ITER"]
-        at_stop = dict(settled[norm]["top1_curve"])[stop]
-        setting = settled[norm]["setting"]
+        best = settled[norm]
+        expected = iterations_to_reach(best["top1_curve"], target)
         result = results.get(cell)
+        trained = result["iterations"] if result is not None else expected
         done = (f"{result['val_top1']:.2f} % | {format_duration(result['wall_s'])}" if result is not None
                 else "not done | ")  # fmt: skip
-        lines.append(f"| {norm} | {setting} | {stop} | {at_stop:.2f} % | {done} |")
+        at = dict(best["top1_curve"])[expected]
+        lines.append(f"| {norm} | {best['setting']} | {trained} | {at:.2f} % | {done} |")
     for norm in not_reached:
         lines.append(f"| {norm} | {settled[norm]['setting']} | {NOT_REACHED} in {settled[norm]['iterations']} | "
                      f"best {settled[norm]['val_top1']:.2f} % | | |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
+def _draw_text(results: dict) -> str:
+    """A draw of an equal-top-1 setting: the iterations it trained and its val top-1."""
+    if "stop_top1" not in results:
+        stop = " (whole schedule)"
+    else:
+        stop = "" if results["stop_top1_reached"] else f" ({NOT_REACHED})"
+    return f"{results['iterations']}{stop}, {results['val_top1']:.1f} %"
+
+
+def equal_draws_markdown(target: float, draws: dict[str, dict[int, dict]], settled: dict[str, dict]) -> str:
+    """The table of the equal-top-1 settings' draws (``cell_draws``): how many iterations each needed."""
+    cell_seed = next(iter(next(iter(draws.values()))))
+    seeds = [cell_seed, *sorted({seed for found in draws.values() for seed in found} - {cell_seed})]
+    lines = [
+        f"#### Trained to {target:g} %, drawn again", "",
+        "Each norm's equal-top-1 setting pretrained again with another SEED, as `tools/compare_norms.py --finetune "
+        "--backbone-seeds --backbones equal_top1.json` makes it, where the cache has it: the iterations each draw "
+        f"trained before its top-1 reached {target:g} % (at an evaluation), then its val top-1; mean ± sample "
+        f"standard deviation of the iterations of the draws that reached {target:g} % before the end.", "",
+        "| norm | setting | " + " | ".join(f"SEED {s}{' (the cell)' if s == cell_seed else ''}" for s in seeds)
+        + " | iterations, mean ± std |",
+        "|---" * (len(seeds) + 3) + "|",
+    ]  # fmt: skip
+    for norm, found in draws.items():
+        values = " | ".join(_draw_text(found[s]) if s in found else "–" for s in seeds)
+        stopped = [results["iterations"] for results in found.values() if results.get("stop_top1_reached")]
+        spread = f"{statistics.mean(stopped):.0f} ± {statistics.stdev(stopped):.0f}" if len(stopped) > 1 else "–"
+        lines.append(f"| {norm} | {settled[norm]['setting']} | {values} | {spread} |")
+    return "\n".join(lines) + "\n"
+
+
 def write_outputs(output_dir, description, cells, results, target, publish=None, equal=None,
-                  draws: Optional[Callable[[dict], dict]] = None) -> dict:  # fmt: skip
+                  draws: Optional[Callable[[dict], dict]] = None,
+                  equal_draws: Optional[Callable[[dict], dict]] = None) -> dict:  # fmt: skip
     """results.md, .csv, .json and best.json (norms whose cells are all done); ``draws`` (settled best
     cells -> ``best_draws``) adds the table of their other draws; with ``equal`` (the ``equal_top1_cells``)
-    also equal_top1.json and their table. Returns best.json's content."""
+    also equal_top1.json and their table, and ``equal_draws`` ({norm: equal cell} -> ``cell_draws``) the
+    table of theirs. Returns best.json's content."""
     os.makedirs(output_dir, exist_ok=True)
     done = [results[cell] for cell in cells if cell in results]
     settled = settled_best_cells(cells, results)  # the "best" of the table, CSV, JSON and best.json alike
@@ -489,8 +546,12 @@ def write_outputs(output_dir, description, cells, results, target, publish=None,
     text = markdown(description, cells, results, target)
     if drawn:
         text += "\n" + draws_markdown(drawn, settled)
+    drawn_equal = {}
     if equal is not None:
         text += "\n" + equal_markdown(target, *equal, results, settled)
+        drawn_equal = equal_draws(equal[0]) if equal_draws else {}
+        if drawn_equal:
+            text += "\n" + equal_draws_markdown(target, drawn_equal, settled)
         equal_overrides = {norm: dict(cell.overrides) for norm, cell in equal[0].items()}
         write_json(os.path.join(output_dir, EQUAL_FILE), equal_overrides)
     with open(os.path.join(output_dir, TABLE_FILE), "w") as f:
@@ -511,6 +572,8 @@ def write_outputs(output_dir, description, cells, results, target, publish=None,
         "best_draws": {norm: {str(seed): top1 for seed, top1 in found.items()} for norm, found in drawn.items()},
         "target_top1": target,
         "equal_top1": [results[cell] for cell in equal[0].values() if cell in results] if equal is not None else [],
+        "equal_top1_draws": {norm: {str(seed): {key: r[key] for key in ("iterations", "val_top1")}
+                                    for seed, r in found.items()} for norm, found in drawn_equal.items()},
     })  # fmt: skip
     write_json(os.path.join(output_dir, BEST_FILE), best_overrides)
     return best_overrides
@@ -609,7 +672,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.target_top1 = lowest_best_top1(cells, results, len(args.norms))
             if args.target_top1 is None:
                 return None
-        equal = equal_top1_cells(cells, results, args.target_top1)
+        equal = equal_top1_cells(cells, results, args.target_top1, cfg.PRETRAIN.EVAL_PERIOD)
         planned = list(equal[0].values())
         for cell in planned:
             configs.setdefault(cell, cell_cfg(cfg, cell))
@@ -621,7 +684,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results = collect(list(equal[0].values()) if equal else ())
         description = describe(cfg, args.config_file, cells, args.target_top1)
         return write_outputs(args.output_dir, description, cells, results, args.target_top1, args.publish, equal,
-                             draws=lambda settled: best_draws(settled, cells, configs, cfg.SEED))  # fmt: skip
+                             draws=lambda settled: best_draws(settled, cells, configs, cfg.SEED),
+                             equal_draws=lambda chosen: cell_draws({n: configs[c] for n, c in chosen.items()}, cfg.SEED))  # fmt: skip
 
     results = collect()
     todo = [cell for cell in cells if cell not in results]

@@ -28,6 +28,9 @@ def add_pretrain_config(cfg: CN) -> None:
     # train the first STOP_ITER iterations of the MAX_ITER schedule only (0: all of them): the same run cut
     # short, as a backbone trained to a given top-1 is made (tools/pretrain_grid.py --equal-top1)
     cfg.PRETRAIN.STOP_ITER = 0
+    # stop at the first evaluation (every EVAL_PERIOD iterations) whose val top-1 is at least this, in %
+    # (0: never): a backbone trained to a given top-1, whatever its seed (tools/pretrain_grid.py --equal-top1)
+    cfg.PRETRAIN.STOP_TOP1 = 0.0
     cfg.PRETRAIN.BASE_LR = 0.1
     cfg.PRETRAIN.WARMUP_ITERS = 5000
     cfg.PRETRAIN.MOMENTUM = 0.9
@@ -60,6 +63,7 @@ PRETRAIN_KEY_RULES = {
     "IMS_PER_BATCH": POSITIVE_INT,
     "MAX_ITER": POSITIVE_INT,
     "STOP_ITER": _INT_AT_LEAST_0,
+    "STOP_TOP1": Rule(lambda v: is_number(v) and 0 <= v <= 100, "a top-1 in [0, 100] % (0: no stop)"),
     "BASE_LR": NON_NEGATIVE,
     "WARMUP_ITERS": _INT_AT_LEAST_0,
     "MOMENTUM": Rule(lambda v: is_number(v) and 0 < v < 1, "a number in (0, 1) (Nesterov momentum)"),
@@ -86,4 +90,9 @@ def validate_pretrain_config(cfg: CN) -> None:
         raise ValueError(
             f"PRETRAIN.STOP_ITER={cfg.PRETRAIN.STOP_ITER} is invalid: it must be 0 (the whole schedule) or at most "
             f"PRETRAIN.MAX_ITER={cfg.PRETRAIN.MAX_ITER}"
+        )
+    if cfg.PRETRAIN.STOP_TOP1 and not cfg.PRETRAIN.EVAL_PERIOD:
+        raise ValueError(
+            f"PRETRAIN.STOP_TOP1={cfg.PRETRAIN.STOP_TOP1} needs PRETRAIN.EVAL_PERIOD > 0: the top-1 is known only "
+            "at the evaluations, which PRETRAIN.EVAL_PERIOD 0 leaves to the end of training"
         )

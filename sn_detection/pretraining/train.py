@@ -6,7 +6,9 @@ gloo on the CPU; several machines).
 The schedule is the usual one for ImageNet: SGD with Nesterov momentum, a linear warm-up from 0.1 % of
 PRETRAIN.BASE_LR over PRETRAIN.WARMUP_ITERS, then a cosine to 0 at PRETRAIN.MAX_ITER (PRETRAIN.STOP_ITER
 k > 0 trains only its first k iterations: the same run cut short, the learning rate still that of the
-MAX_ITER schedule, then the batch average and the final evaluation as at its end); weight decay on
+MAX_ITER schedule, then the batch average and the final evaluation as at its end; PRETRAIN.STOP_TOP1 X > 0
+cuts it short likewise at the first evaluation, every PRETRAIN.EVAL_PERIOD iterations, whose top-1 with
+the moving averages is at least X %, and ``results.json`` says where); weight decay on
 the convolutions and the classifier's weight only (none on norms and biases; the gates of our norms have
 their own learning-rate factor, ``sn_detection.d2.optimizer``). PRETRAIN.IMS_PER_BATCH is the batch over
 all processes: large batches are the point of pretraining (BN, and SN's BN branch, see them), so each
@@ -39,7 +41,7 @@ import time
 import torch
 from detectron2.config import CfgNode
 from detectron2.data.samplers import TrainingSampler
-from detectron2.engine import SimpleTrainer, hooks
+from detectron2.engine import HookBase, SimpleTrainer, hooks
 from detectron2.solver import LRMultiplier, WarmupParamScheduler
 from detectron2.utils import comm
 from detectron2.utils.env import seed_all_rng
@@ -50,7 +52,7 @@ from torch.utils.data import DataLoader
 from ..conversion import InputConvention
 from ..conversion.files import write_checkpoint
 from ..d2.checkpointer import CheckedCheckpointer, check_resumed_iteration
-from ..d2.hooks import batch_average_hook, insert_before_evaluation
+from ..d2.hooks import batch_average_hook
 from ..d2.optimizer import get_optimizer_params
 from ..d2.trainers import share_first_process_buffers, step_trainer
 from ..data.cache import ensure_folder, is_intact
@@ -98,7 +100,8 @@ def build_schedule(cfg: CfgNode, optimizer) -> LRMultiplier:
 
 
 def trained_iterations(cfg: CfgNode) -> int:
-    """How many iterations of the PRETRAIN.MAX_ITER schedule are trained: PRETRAIN.STOP_ITER, 0 for all."""
+    """How many iterations of the PRETRAIN.MAX_ITER schedule are trained: PRETRAIN.STOP_ITER, 0 for all; with
+    PRETRAIN.STOP_TOP1, at most that many."""
     return cfg.PRETRAIN.STOP_ITER or cfg.PRETRAIN.MAX_ITER
 
 
@@ -138,20 +141,62 @@ def top1(cfg: CfgNode, model: torch.nn.Module, images: ClassificationImages) -> 
     return 100.0 * sum(c for c, _ in counts) / max(sum(n for _, n in counts), 1)
 
 
-class Evaluation(hooks.EvalHook):
+class TargetReached(BaseException):
+    """Ends detectron2's training loop at PRETRAIN.STOP_TOP1. A BaseException, so that the trainer's
+    ``except Exception`` does not log it as a failure; its ``finally`` still runs the hooks' ``after_train``."""
+
+
+class Evaluation(HookBase):
     """Top-1 on the val split every PRETRAIN.EVAL_PERIOD iterations and after the last one, into the
-    event storage (metrics.json) and the log."""
+    event storage (metrics.json) and the log; with PRETRAIN.STOP_TOP1 X, the last one is the first
+    periodic evaluation that reaches X.
+
+    It comes before the batch average and the PeriodicCheckpointer in the hooks: an evaluation that reaches
+    X makes its iteration the trainer's last (``trainer.max_iter``), so that the batch average runs there
+    and the checkpoint written there holds it and this hook's state (``reached_at``); the next iteration's
+    ``before_step`` ends the loop. A run resumed from that checkpoint ends at once, as the uninterrupted
+    one did; one killed before it repeats the evaluation. The final evaluation (``after_train``, after the
+    batch average) is skipped only when training failed, as in detectron2's EvalHook."""
 
     def __init__(self, cfg, model, images):
-        super().__init__(cfg.PRETRAIN.EVAL_PERIOD, lambda: self._evaluate(cfg, model, images))
+        self._period, self._target = cfg.PRETRAIN.EVAL_PERIOD, cfg.PRETRAIN.STOP_TOP1
+        self._evaluate = lambda: self._top1(cfg, model, images)
         self.latest = None
+        self.reached_at = None  # iterations trained when a periodic evaluation reached STOP_TOP1
 
-    def _evaluate(self, cfg, model, images):
+    def _top1(self, cfg, model, images):
         share_first_process_buffers(model)  # the statistics backbone.pth holds, in every process
         self.latest = top1(cfg, model, images)
         logger.info("Top-1 on the val split (%d images): %.2f %%", len(images), self.latest)
         get_event_storage().put_scalar("val_top1", self.latest, smoothing_hint=False)
-        return {}
+        comm.synchronize()
+
+    def before_train(self):
+        if self.reached_at is not None:  # resumed from the checkpoint of the evaluation that reached it
+            self.trainer.max_iter = self.reached_at
+
+    def before_step(self):
+        if self.reached_at is not None and self.trainer.iter >= self.reached_at:
+            raise TargetReached()
+
+    def after_step(self):
+        done = self.trainer.iter + 1
+        if self._period > 0 and done % self._period == 0 and done != self.trainer.max_iter:
+            self._evaluate()
+            if self._target and self.latest >= self._target:
+                logger.info("Top-1 %.2f %% reached PRETRAIN.STOP_TOP1=%g after %d iterations: training stops here",
+                            self.latest, self._target, done)  # fmt: skip
+                self.reached_at = self.trainer.max_iter = done
+
+    def after_train(self):
+        if self.trainer.iter + 1 >= self.trainer.max_iter:
+            self._evaluate()
+
+    def state_dict(self) -> dict:
+        return {"reached_at": self.reached_at} if self._target else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reached_at = state["reached_at"]
 
 
 def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) -> dict:
@@ -180,16 +225,17 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
     batches = cfg.PRETRAIN.BATCH_AVERAGE_BATCHES
     average = batch_average_hook(ddp, lambda start: train_loader(cfg, train_images, cfg.PRETRAIN.MAX_ITER + start),
                                  batches, period=0) if batches else None  # fmt: skip
-    trainer.register_hooks(insert_before_evaluation([
+    trainer.register_hooks([
         hooks.IterationTimer(),
         hooks.LRScheduler(optimizer, schedule),
+        evaluation,  # before the batch average and the checkpointer: it may make this iteration the last
+        average,
         hooks.PeriodicCheckpointer(checkpointer, cfg.PRETRAIN.CHECKPOINT_PERIOD) if main_process else None,
-        evaluation,
         hooks.PeriodicWriter(
             [CommonMetricPrinter(stop_iter), JSONWriter(os.path.join(output_dir, "metrics.json"))],
             period=LOG_PERIOD,
         ) if main_process else None,
-    ], average))  # fmt: skip
+    ])  # fmt: skip
     start_iter = 0
     if resume and checkpointer.has_checkpoint():
         checkpointer.resume_or_load("", resume=True)
@@ -204,20 +250,25 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
         stop_iter, cfg.PRETRAIN.MAX_ITER, cfg.MODEL.DEVICE,
     )  # fmt: skip
     start = time.perf_counter()
-    trainer.train(start_iter, stop_iter)
+    try:
+        trainer.train(start_iter, stop_iter)
+    except TargetReached:
+        pass
     results = {
         "val_top1": evaluation.latest,
         "classes": len(train_images.classes),
         "data": folder,
         "depth": cfg.MODEL.RESNETS.DEPTH,
         "norm": pretrained_norm(cfg),
-        "iterations": stop_iter,
+        "iterations": evaluation.reached_at or stop_iter,
         "schedule_iterations": cfg.PRETRAIN.MAX_ITER,
         "ims_per_batch": cfg.PRETRAIN.IMS_PER_BATCH,
         "processes": comm.get_world_size(),
         "train_seconds": round(time.perf_counter() - start, 1),
         "input_convention": input_convention(cfg)._asdict(),
     }
+    if cfg.PRETRAIN.STOP_TOP1:  # reached: stopped there; else trained to the end of its schedule
+        results.update(stop_top1=cfg.PRETRAIN.STOP_TOP1, stop_top1_reached=evaluation.reached_at is not None)
     if main_process:
         write_checkpoint(backbone_state(model), os.path.join(output_dir, BACKBONE_FILE), author="sn_detection pretraining")
         with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
@@ -254,6 +305,10 @@ def cache_key(cfg: CfgNode) -> dict:
     pretrain = {k: v for k, v in cfg.PRETRAIN.items() if k not in ("OUTPUT_DIR", "NUM_WORKERS", "EVAL_PERIOD", "CHECKPOINT_PERIOD")}
     if trained_iterations(cfg) == cfg.PRETRAIN.MAX_ITER:  # the whole schedule, however it is written
         del pretrain["STOP_ITER"]
+    if cfg.PRETRAIN.STOP_TOP1:  # where it stops depends on when it is evaluated
+        pretrain["EVAL_PERIOD"] = cfg.PRETRAIN.EVAL_PERIOD
+    else:  # the key that STOP_TOP1 0 leaves out is that of every backbone made before it existed
+        del pretrain["STOP_TOP1"]
     return {
         "recipe": RECIPE_VERSION,
         "resnets": dict(cfg.MODEL.RESNETS, NORM=pretrained_norm(cfg)),  # FrozenBN's backbone is BN's

@@ -40,6 +40,8 @@ OUT_OF_RANGE = [
     ("PRETRAIN.IMS_PER_BATCH", 0, "an int >= 1"),
     ("PRETRAIN.MAX_ITER", 0, "an int >= 1"),
     ("PRETRAIN.STOP_ITER", -1, "an int >= 0"),
+    ("PRETRAIN.STOP_TOP1", -1.0, "a top-1 in [0, 100] % (0: no stop)"),
+    ("PRETRAIN.STOP_TOP1", 101.0, "a top-1 in [0, 100] % (0: no stop)"),
     ("PRETRAIN.BASE_LR", -0.1, "a number >= 0"),
     ("PRETRAIN.WARMUP_ITERS", -1, "an int >= 0"),
     ("PRETRAIN.MOMENTUM", 1.0, "a number in (0, 1) (Nesterov momentum)"),

@@ -265,6 +265,20 @@ def test_pretrainings_own_metrics_give_the_curve(tmp_path, tiny_classification_s
     assert [iterations for iterations, _ in curve] == [20, 21] and curve[-1][1] == results["val_top1"]
 
 
+SCRIPTED_TOP1 = """from sn_detection.pretraining import train
+values = iter({values!r})
+train.top1 = lambda *args: next(values)
+"""
+
+
+def scripted_top1_in_jobs(monkeypatch, folder, values):
+    """The grid's backbone jobs (subprocesses) evaluate ``values`` in turn, as the cells made in this process
+    with a patched top-1: a ``sitecustomize`` on their import path patches it at start-up."""
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(SCRIPTED_TOP1.format(values=list(values)))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+
+
 def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_path, monkeypatch, capsys,
                                                                            tiny_classification_set):
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
@@ -274,11 +288,12 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     cfg = load_cfg(CONFIG, opts)
     grid_cell = Cell("GN", (("PRETRAIN.BASE_LR", 0.1),))
     # the grid's only cell, made here with a known curve (30 % after 20 iterations, 40 % at the end): a cell
-    # in the cache is done, whoever made it
+    # in the cache is done, whoever made it; the jobs the grid starts see the same curve
     with monkeypatch.context() as patch:
         values = iter([30.0, 40.0])
         patch.setattr(pretraining_train, "top1", lambda *args: next(values))
         cached_backbone(cell_cfg(cfg, grid_cell))
+    scripted_top1_in_jobs(monkeypatch, tmp_path / "scripted", [30.0, 40.0])
     calls, call = [], subprocess.call
     monkeypatch.setattr(jobs.subprocess, "call", lambda command, **kw: calls.append(command) or call(command, **kw))
     output = tmp_path / "grid"
@@ -293,20 +308,20 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     # reached only at the end: the best cell itself, nothing runs
     printed, table, equal = grid(35)
     assert calls == [] and "Trained to 35 % (--equal-top1): 1 norm(s) with all cells done, 0 to run" in printed
-    assert equal == {"GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_ITER": 21}}
+    assert equal == {"GN": {"PRETRAIN.BASE_LR": 0.1}}
     assert "| GN | LR 0.1 | 21 | 40.00 % | 40.00 % |" in table
 
-    # reached after 20 iterations: the same run stopped there, in a cell of its own
+    # reached after 20 iterations: the same run stopped there by its top-1, in a cell of its own
     printed, table, equal = grid(25)
     assert "1 norm(s) with all cells done, 1 to run" in printed
     work_dirs = [command[command.index("--work-dir") + 1] for command in calls]
-    assert work_dirs == [str(output / "cells" / "GN-lr0.1-stop20" / "training")]
-    assert equal == {"GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_ITER": 20}}
+    assert work_dirs == [str(output / "cells" / "GN-lr0.1-top1-25.0-eval20" / "training")]
+    assert equal == {"GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_TOP1": 25.0, "PRETRAIN.EVAL_PERIOD": 20}}
     stopped = cell_cfg(cfg, Cell("GN", tuple(equal["GN"].items())))
     with open(os.path.join(cached_backbone_folder(stopped), "results.json")) as f:
         results = json.load(f)
-    assert results["iterations"] == 20 and results["schedule_iterations"] == 21
-    assert f"| GN | LR 0.1 | 20 | 30.00 % | {results['val_top1']:.2f} % |" in table
+    assert results["iterations"] == 20 and results["schedule_iterations"] == 21 and results["stop_top1_reached"]
+    assert "| GN | LR 0.1 | 20 | 30.00 % | 40.00 % |" in table  # the final evaluation: the script's 40 %
     calls.clear()
     assert "0 to run" in grid(25)[0] and calls == []
 
@@ -327,7 +342,7 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     assert pretrain_grid.main(two_norms) == 0
     printed = capsys.readouterr().out  # GN reached 40 % at the end (its best itself), BN after 20 iterations
     assert "Trained to 40 % (--equal-top1): 2 norm(s) with all cells done, 1 to run" in printed
-    assert "  BN-lr0.1-stop20: to run" in printed and "  GN-lr0.1-stop21: done" in printed
+    assert "  BN-lr0.1-top1-40.0-eval20: to run" in printed and "  GN-lr0.1: done" in printed
 
     # equal_top1.json feeds compare_norms --finetune --backbones as best.json does
     grid(25)
@@ -338,3 +353,19 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
              "--output-dir", str(tmp_path / "sweep"), *opts]  # fmt: skip
     assert compare_norms.main(sweep) == 0
     assert planned["backbones"] == {("GN", seed): cached_backbone_path(stopped) for seed in compare_norms.DEFAULT_SEEDS}
+
+    # compare_norms --backbone-seeds draws of an equal-top-1 setting stop at the target too, each after its
+    # own iterations: the grid shows them, and the spread of the iterations of those that reached it
+    draws = compare_norms.backbone_configs({"GN": stopped}, [2, 3], per_seed=True)
+    assert [(c.SEED, c.PRETRAIN.STOP_TOP1) for c in draws.values()] == [(2, 25.0), (3, 25.0)]
+    for config, curve in zip(draws.values(), ([20.0, 27.0], [26.0, 33.0])):
+        with monkeypatch.context() as patch:
+            values = iter(curve)
+            patch.setattr(pretraining_train, "top1", lambda *args: next(values))
+            cached_backbone(config)
+    table = grid(25)[1]
+    assert "| norm | setting | SEED 1 (the cell) | SEED 2 | SEED 3 | iterations, mean ± std |" in table
+    assert "| GN | LR 0.1 | 20, 40.0 % | 21 (not reached), 27.0 % | 20, 33.0 % | 20 ± 0 |" in table
+    assert json.loads((output / "results.json").read_text())["equal_top1_draws"] == {"GN": {
+        "1": {"iterations": 20, "val_top1": 40.0}, "2": {"iterations": 21, "val_top1": 27.0},
+        "3": {"iterations": 20, "val_top1": 33.0}}}  # fmt: skip

@@ -39,6 +39,16 @@ def test_a_stop_past_the_schedule_is_refused():
     validate_pretrain_config(cfg)
 
 
+def test_a_top1_stop_without_evaluations_is_refused():
+    cfg = get_cfg()
+    add_sn_config(cfg)
+    cfg.PRETRAIN.STOP_TOP1, cfg.PRETRAIN.EVAL_PERIOD = 60.0, 0
+    with pytest.raises(ValueError, match=r"PRETRAIN.STOP_TOP1=60.0 needs PRETRAIN.EVAL_PERIOD > 0"):
+        validate_pretrain_config(cfg)
+    cfg.PRETRAIN.EVAL_PERIOD = 100
+    validate_pretrain_config(cfg)
+
+
 def test_a_config_without_the_keys_is_refused_with_the_call_that_adds_them():
     with pytest.raises(ValueError, match=r"no PRETRAIN: call sn_detection.d2.add_sn_config\(cfg\)"):
         validate_pretrain_config(get_cfg())

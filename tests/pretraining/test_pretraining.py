@@ -117,6 +117,100 @@ def test_a_stopped_pretraining_is_the_beginning_of_the_whole_run(tiny_classifica
         pretrain(tiny_cfg(tiny_classification_set, tmp_path / "stopped", "PRETRAIN.STOP_ITER", 1), resume=True)
 
 
+def scripted_top1(monkeypatch, *values):
+    """Evaluations return ``values`` in turn (then the last again): where a run stops by its top-1 is the
+    logic under test, not what a few tiny iterations learn. Returns the list of calls' results."""
+    calls = []
+
+    def top1(cfg, model, images):
+        value = values[min(len(calls), len(values) - 1)]
+        if isinstance(value, type) and issubclass(value, BaseException):
+            raise value
+        calls.append(value)
+        return value
+
+    monkeypatch.setattr(pretraining_train, "top1", top1)
+    return calls
+
+
+def evaluations(output_dir):
+    with open(output_dir / "metrics.json") as f:
+        return [(row["iteration"], row["val_top1"]) for row in map(json.loads, f) if "val_top1" in row]
+
+
+def test_a_pretraining_stopped_at_a_top1_is_the_run_cut_short_there(tiny_classification_set, tmp_path, monkeypatch):
+    """PRETRAIN.STOP_TOP1 X ends training at the first periodic evaluation that reaches X, then batch-averages
+    and evaluates as at the end: the backbone of PRETRAIN.STOP_ITER at that iteration. Not reached, it is
+    the whole run's."""
+    six = ("PRETRAIN.MAX_ITER", 6, "PRETRAIN.EVAL_PERIOD", 2)  # evaluated after 2, 4 and 6 iterations
+    scripted_top1(monkeypatch, 40.0)
+    pretrain(tiny_cfg(tiny_classification_set, tmp_path / "cut", *six, "PRETRAIN.STOP_ITER", 4))
+    whole = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "whole", *six))
+    assert "stop_top1" not in whole and whole["iterations"] == 6
+
+    calls = scripted_top1(monkeypatch, 40.0, 60.0, 70.0)
+    stopped = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "stopped", *six, "PRETRAIN.STOP_TOP1", 50.0))
+    assert calls == [40.0, 60.0, 70.0]  # after 2 and 4 iterations (moving averages), then the final evaluation
+    assert stopped["iterations"] == 4 and stopped["stop_top1"] == 50 and stopped["stop_top1_reached"]
+    assert stopped["val_top1"] == 70.0 and stopped["schedule_iterations"] == 6
+    assert not (tmp_path / "stopped" / "model_0000005.pth").exists()
+    # metrics.json is written every 20 iterations with the latest value: the stop's (logged at its iteration's
+    # index, 3), then the final evaluation's, at the iteration that did not run (4)
+    assert evaluations(tmp_path / "stopped") == [(3, 60.0), (4, 70.0)]
+    tensors, expected = (backbone_tensors(tmp_path / run / BACKBONE_FILE) for run in ("stopped", "cut"))
+    assert tensors.keys() == expected.keys()
+    assert all(torch.equal(torch.as_tensor(tensors[k]), torch.as_tensor(expected[k])) for k in expected)
+
+    calls = scripted_top1(monkeypatch, 40.0)
+    unreached = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "unreached", *six, "PRETRAIN.STOP_TOP1", 50.0))
+    assert calls == [40.0] * 3 and unreached["iterations"] == 6 and not unreached["stop_top1_reached"]
+    first, second = (backbone_tensors(tmp_path / run / BACKBONE_FILE) for run in ("whole", "unreached"))
+    assert all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(second[k])) for k in first)
+
+
+def test_a_pretraining_stopped_at_a_top1_and_killed_after_its_last_checkpoint_resumes_to_its_end(
+    tiny_classification_set, tmp_path, monkeypatch
+):
+    """The checkpoint of the iteration where the top-1 was reached holds the stop: resumed from it, the run
+    trains no further step and ends with the uninterrupted one's backbone and top-1."""
+    opts = ("PRETRAIN.EVAL_PERIOD", 2, "PRETRAIN.STOP_TOP1", 50.0)
+    scripted_top1(monkeypatch, 60.0)
+    whole = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "whole", *opts))
+
+    class Killed(Exception):
+        pass
+
+    cfg = tiny_cfg(tiny_classification_set, tmp_path / "resumed", *opts)
+    scripted_top1(monkeypatch, 60.0, Killed)  # killed in the final evaluation, after the checkpoint of iteration 1
+    with pytest.raises(Killed):
+        pretrain(cfg, resume=True)
+    assert (tmp_path / "resumed" / "model_0000001.pth").exists()
+    steps = []
+
+    class RecordingTrainer(trainers.SimpleTrainer):
+        def run_step(self):
+            steps.append(self.iter)
+            super().run_step()
+
+    scripted_top1(monkeypatch, 60.0)
+    with monkeypatch.context() as patch:
+        patch.setattr(trainers, "SimpleTrainer", RecordingTrainer)
+        resumed = pretrain(cfg, resume=True)
+    assert steps == [] and resumed["iterations"] == 2 and resumed["val_top1"] == whole["val_top1"]
+    first, second = (backbone_tensors(tmp_path / run / BACKBONE_FILE) for run in ("whole", "resumed"))
+    assert all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(second[k])) for k in first)
+
+
+def test_the_cache_key_holds_a_top1_stop_and_its_evaluation_period_only_when_set(tiny_classification_set, tmp_path):
+    key = pretraining_train.cache_key
+    plain = key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.EVAL_PERIOD", 2))
+    assert "STOP_TOP1" not in plain["pretrain"] and "EVAL_PERIOD" not in plain["pretrain"]  # backbones made before
+    assert key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.EVAL_PERIOD", 0)) == plain
+    stopped = key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.EVAL_PERIOD", 2, "PRETRAIN.STOP_TOP1", 50.0))
+    assert stopped["pretrain"]["STOP_TOP1"] == 50 and stopped["pretrain"]["EVAL_PERIOD"] == 2
+    assert key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.EVAL_PERIOD", 4, "PRETRAIN.STOP_TOP1", 50.0)) != stopped
+
+
 def run_tool(*args, succeeds=True, env=None):
     result = subprocess.run(
         [sys.executable, os.path.join(REPO, "tools", "pretrain_backbone.py"), "--config-file",
