@@ -341,11 +341,12 @@ def measured_step_seconds(cfg: CfgNode, steps: int, threads: int) -> float:
         torch.set_num_threads(previous)
 
 
-def estimate(cells_to_run, results, configs, jobs: int, steps: int,
-             done: Callable[[Cell], int] = lambda cell: 0) -> tuple[float, dict[str, tuple[float, str]]]:  # fmt: skip
+def estimate(cells_to_run, results, configs, jobs: int, steps: int, done: Callable[[Cell], int] = lambda cell: 0,
+             iterations: Optional[Callable[[Cell], int]] = None) -> tuple[float, dict[str, tuple[float, str]]]:  # fmt: skip
     """(estimated wall seconds of ``cells_to_run``, per norm (s/iter, what it is based on)); NaN where a
     norm has no basis (no finished cell and ``steps`` 0). ``done``: the iterations a cell has checkpointed,
-    which it does not run again."""
+    which it does not run again; ``iterations``: those it trains in all (default: its config's)."""
+    iterations = iterations or (lambda cell: trained_iterations(configs[cell]))
     basis = {}
     for norm in dict.fromkeys(cell.norm for cell in cells_to_run):
         finished = [r["s_per_iter"] for r in results if r["norm"] == norm and not math.isnan(r["s_per_iter"])]
@@ -358,7 +359,7 @@ def estimate(cells_to_run, results, configs, jobs: int, steps: int,
             basis[norm] = (seconds, f"{steps} steps measured now on a random batch, {threads} thread(s)")
         else:
             basis[norm] = (math.nan, "no finished cell, nothing measured (--estimate-steps 0)")
-    total = sum(basis[cell.norm][0] * (trained_iterations(configs[cell]) - done(cell)) for cell in cells_to_run)
+    total = sum(basis[cell.norm][0] * (iterations(cell) - done(cell)) for cell in cells_to_run)
     return total / max(1, min(jobs, len(cells_to_run))), basis
 
 
@@ -707,7 +708,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"Trained to {args.target_top1:g} % (--equal-top1): {len(equal[0])} norm(s) with all cells done, "
               f"{len(equal_todo)} to run; not reached by: {', '.join(equal[1]) or 'none'}.", flush=True)  # fmt: skip
         if equal_todo and not args.report_only:
-            print_estimate("the equal-top-1 cell(s) to run", equal_todo, results, configs, args)
+            settled = settled_best_cells(cells, results)  # an equal cell stops where its grid cell reached X
+            expected = {cell: iterations_to_reach(settled[cell.norm]["top1_curve"], args.target_top1) for cell in equal_todo}
+            print_estimate("the equal-top-1 cell(s) to run", equal_todo, results, configs, args, expected,
+                           f"where their grid cell reached {args.target_top1:g} %")  # fmt: skip
     if args.plan_only:
         planned = cells + (list(equal[0].values()) if equal else [])
         done = collect(planned[len(cells):])
@@ -733,12 +737,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 1 if failed else 0
 
 
-def print_estimate(what: str, todo: Sequence[Cell], results: dict, configs: dict, args) -> None:
+def print_estimate(what: str, todo: Sequence[Cell], results: dict, configs: dict, args,
+                   iterations: Optional[dict] = None, stop: str = "") -> None:  # fmt: skip
+    """``estimate`` printed; ``iterations`` ({cell: iterations it trains}, default its config's): ``stop``
+    says where those come from."""
     done = {cell: checkpointed_iterations(os.path.join(cell_folder(args.output_dir, cell), WORK_FOLDER)) for cell in todo}
-    seconds, basis = estimate(todo, list(results.values()), configs, args.jobs, args.estimate_steps, done.__getitem__)
+    seconds, basis = estimate(todo, list(results.values()), configs, args.jobs, args.estimate_steps, done.__getitem__,
+                              iterations.__getitem__ if iterations else None)  # fmt: skip
     resumed = ", ".join(f"{cell.name} after {done[cell]}" for cell in todo if done[cell])
     print(f"Estimated wall time of {what}: {format_duration(seconds)} = the sum over cells of s/iter x their "
-          f"iterations still to run{f' (resumed: {resumed})' if resumed else ''}, / {min(args.jobs, len(todo))} "
+          f"iterations still to run{f' ({stop})' if stop else ''}{f' (resumed: {resumed})' if resumed else ''}, / "
+          f"{min(args.jobs, len(todo))} "
           "job(s) at once; start-up, batch average and evaluations not included. s/iter per norm:", flush=True)  # fmt: skip
     for norm, (per_iter, source) in basis.items():
         print(f"  {norm}: {per_iter:.3f} s/iter ({source})", flush=True)

@@ -256,6 +256,20 @@ def test_the_table_shows_each_norms_best_setting_drawn_again(tmp_path, monkeypat
     assert json.loads((output / "results.json").read_text())["best_draws"] == {}
 
 
+def test_the_estimate_counts_the_iterations_a_cell_still_trains():
+    """s/iter (the median of the norm's finished cells) x iterations: the config's, or those given (an
+    equal-top-1 cell stops where its grid cell reached the target), less those checkpointed; / jobs."""
+    cfg = load_cfg(CONFIG, ["PRETRAIN.MAX_ITER", "21"])
+    cells = [Cell("GN", (("PRETRAIN.BASE_LR", lr),)) for lr in (0.1, 0.2)]
+    configs = {cell: cell_cfg(cfg, cell) for cell in cells}
+    finished = [{"norm": "GN", "s_per_iter": 2.0}, {"norm": "GN", "s_per_iter": 4.0}, {"norm": "GN", "s_per_iter": 3.0}]
+    seconds, basis = pretrain_grid.estimate(cells, finished, configs, jobs=2, steps=0)
+    assert seconds == 3.0 * 42 / 2 and basis["GN"][0] == 3.0
+    done = {cells[0]: 10, cells[1]: 0}.__getitem__
+    iterations = {cells[0]: 20, cells[1]: 15}.__getitem__
+    assert pretrain_grid.estimate(cells, finished, configs, 1, 0, done, iterations)[0] == 3.0 * (10 + 15)
+
+
 def test_pretrainings_own_metrics_give_the_curve(tmp_path, tiny_classification_set):
     """What pretraining logs: an evaluation every EVAL_PERIOD iterations and one at the end."""
     opts = [*tiny_pretrain_keys(tiny_classification_set), "PRETRAIN.MAX_ITER", "21", "PRETRAIN.EVAL_PERIOD", "20",
