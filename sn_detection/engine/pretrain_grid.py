@@ -40,14 +40,16 @@ cell). FrozenBN is pretrained as BN (``pretrained_norm``), so it is the BN cell.
 - **Equal top-1** (``--equal-top1``): once a norm's cells are all done, its best setting is trained again
   in a cell of its own with PRETRAIN.STOP_TOP1 X: it stops at the first periodic evaluation whose top-1
   reaches X, so it is the best cell's run (the same seed, data stream and schedule of PRETRAIN.MAX_ITER)
-  cut short where that cell first reached X, then batch-averaged and evaluated as every cell is, into
+  cut short where that cell first reached X (on the grid's threads and CPU; elsewhere it may stop at
+  another evaluation, and the table shows both), then batch-averaged and evaluated as every cell is, into
   the cache. So every norm gets a backbone of about X % top-1, and the iterations it needed are a
   finding of their own; and since the stop is the config's, ``compare_norms --backbone-seeds`` draws of it
   stop at X too, each after its own number of iterations. X is ``--target-top1``, by default the lowest
   of the norms' best top-1 rounded down to a whole percent (known once every cell is done), so that every
-  norm reaches it; a norm whose best never did is reported as not reached. A norm whose best cell first
-  reached X at its end (the final evaluation) is that cell itself: stopping at X would train the same run
-  to the same end.
+  norm reaches it; a norm whose best never did is reported as not reached. Where a norm's best cell first
+  reached X at its end (the final evaluation), the equal cell would train that same run to the same end:
+  its backbone is a copy of the cell's (``cache_same_run``, which checks that no periodic evaluation
+  reached X), so its draws still stop at X.
 - **Outputs** in OUTPUT_DIR: ``results.md`` (top-1 per norm x setting with wall times, each norm's best
   setting by val top-1 in bold, then a row per cell, and where the cache holds other draws of a best
   setting (another SEED, as ``compare_norms --backbone-seeds`` makes them) a table of the draws),
@@ -81,7 +83,7 @@ from .. import model_zoo
 from ..d2 import valid_norm_names
 from ..pretraining.model import PRETRAINED_AS
 from ..pretraining.train import (
-    LOG_PERIOD, RESULTS_FILE, cached_backbone_folder, cached_backbone_path, is_cached,
+    LOG_PERIOD, RESULTS_FILE, cache_same_run, cached_backbone_folder, cached_backbone_path, is_cached,
     trained_iterations,
 )  # fmt: skip
 from .compare_norms import DEFAULT_SEEDS, backbone_configs, config_label, override_list, with_pretrain_overrides
@@ -247,6 +249,8 @@ def cell_result(output_dir: str, cell: Cell, cfg: CfgNode, target: Optional[floa
         "top1_curve": curve,
         "backbone": cached_backbone_path(cfg),
     }
+    if "stop_top1" in results:  # PRETRAIN.STOP_TOP1 X, and whether a periodic evaluation reached X
+        result.update(stop_top1=results["stop_top1"], stop_top1_reached=results["stop_top1_reached"])
     if target is not None:
         result["iterations_to_target"] = iterations_to_reach(curve, target)
     return result
@@ -306,19 +310,23 @@ def equal_top1_cells(cells: Sequence[Cell], results: dict, target: float,
                      eval_period: int) -> tuple[dict[str, Cell], list[str]]:  # fmt: skip
     """``--equal-top1``: per norm with a settled best, that setting with PRETRAIN.STOP_TOP1 ``target``
     checked every ``eval_period`` iterations (the grid's PRETRAIN.EVAL_PERIOD, so that it stops where its
-    grid cell first reached ``target``), or the best cell itself where that was at its end; and the norms
-    whose best never reached it."""
+    grid cell first reached ``target``); and the norms whose best never reached it."""
     equal, not_reached = {}, []
     for norm, best in settled_best_cells(cells, results).items():
-        stop = iterations_to_reach(best["top1_curve"], target)
-        if stop is None:
+        if iterations_to_reach(best["top1_curve"], target) is None:
             not_reached.append(norm)
-        elif stop >= best["iterations"]:
-            equal[norm] = Cell(norm, tuple(best["overrides"].items()))
         else:
             stopping = (("PRETRAIN.STOP_TOP1", float(target)), ("PRETRAIN.EVAL_PERIOD", int(eval_period)))
             equal[norm] = Cell(norm, (*best["overrides"].items(), *stopping))
     return equal, not_reached
+
+
+def same_run_cells(equal: dict[str, Cell], settled: dict[str, dict], target: float) -> dict[Cell, Cell]:
+    """{equal-top-1 cell: its grid cell} where the grid cell first reached ``target`` at its end: the
+    equal cell would train that same run to the same end, so ``cache_same_run`` caches a copy of the
+    grid cell's backbone for it instead."""
+    return {cell: Cell(norm, tuple(settled[norm]["overrides"].items())) for norm, cell in equal.items()
+            if iterations_to_reach(settled[norm]["top1_curve"], target) >= settled[norm]["iterations"]}  # fmt: skip
 
 
 # -- the estimate ------------------------------------------------------------------------------------
@@ -473,6 +481,12 @@ def draws_markdown(draws: dict[str, dict[int, float]], settled: dict[str, dict])
     return "\n".join(lines) + "\n"
 
 
+def reached_stop(result: dict) -> bool:
+    """Whether a PRETRAIN.STOP_TOP1 backbone reached its X: at a periodic evaluation (it stopped there) or
+    at the final one, after its whole schedule."""
+    return result.get("stop_top1_reached", False) or result["val_top1"] >= result.get("stop_top1", math.inf)
+
+
 def equal_markdown(target: float, equal: dict[str, Cell], not_reached: Sequence[str], results: dict,
                    settled: dict[str, dict]) -> str:
     """The ``--equal-top1`` table: per norm, the iterations its best setting needed to reach ``target``."""
@@ -480,9 +494,9 @@ def equal_markdown(target: float, equal: dict[str, Cell], not_reached: Sequence[
         f"#### Trained to {target:g} % (`--equal-top1`)", "",
         f"Each norm's best setting trained again with PRETRAIN.STOP_TOP1 {target:g}: it stops at the first "
         f"evaluation (with the moving averages) at which val top-1 reached {target:g} %, where its grid cell, the "
-        "same run, first did; then it is batch-averaged and evaluated as every cell is. A norm whose grid cell "
-        f"reached {target:g} % only at its end is that cell. `equal_top1.json` holds these settings for "
-        "`tools/compare_norms.py --finetune --backbones`.", "",
+        "same run, first did; then it is batch-averaged and evaluated as every cell is. Where the grid cell "
+        f"reached {target:g} % only at its end, its backbone is copied: the same run would end alike. "
+        "`equal_top1.json` holds these settings for `tools/compare_norms.py --finetune --backbones`.", "",
         f"| norm | setting | iterations to {target:g} % | top-1 there (grid cell) | val top-1 | wall |",
         "|---|---|---|---|---|---|",
     ]  # fmt: skip
@@ -490,9 +504,12 @@ def equal_markdown(target: float, equal: dict[str, Cell], not_reached: Sequence[
         best = settled[norm]
         expected = iterations_to_reach(best["top1_curve"], target)
         result = results.get(cell)
-        trained = result["iterations"] if result is not None else expected
-        done = (f"{result['val_top1']:.2f} % | {format_duration(result['wall_s'])}" if result is not None
-                else "not done | ")  # fmt: skip
+        if result is None:
+            trained, done = f"{expected}", "not done | "
+        else:
+            trained = f"{result['iterations']}" if reached_stop(result) else f"{NOT_REACHED} in {result['iterations']}"
+            trained += f" (grid cell: {expected})" if result["iterations"] != expected else ""
+            done = f"{result['val_top1']:.2f} % | {format_duration(result['wall_s'])}"
         at = dict(best["top1_curve"])[expected]
         lines.append(f"| {norm} | {best['setting']} | {trained} | {at:.2f} % | {done} |")
     for norm in not_reached:
@@ -503,30 +520,34 @@ def equal_markdown(target: float, equal: dict[str, Cell], not_reached: Sequence[
 
 def _draw_text(results: dict) -> str:
     """A draw of an equal-top-1 setting: the iterations it trained and its val top-1."""
-    if "stop_top1" not in results:
+    if results.get("stop_top1_reached"):
+        stop = ""
+    elif "stop_top1" not in results:
         stop = " (whole schedule)"
     else:
-        stop = "" if results["stop_top1_reached"] else f" ({NOT_REACHED})"
+        stop = " (at the end)" if reached_stop(results) else f" ({NOT_REACHED})"
     return f"{results['iterations']}{stop}, {results['val_top1']:.1f} %"
 
 
-def equal_draws_markdown(target: float, draws: dict[str, dict[int, dict]], settled: dict[str, dict]) -> str:
-    """The table of the equal-top-1 settings' draws (``cell_draws``): how many iterations each needed."""
-    cell_seed = next(iter(next(iter(draws.values()))))
+def equal_draws_markdown(target: float, draws: dict[str, dict[int, dict]], settled: dict[str, dict],
+                         cell_seed: int) -> str:  # fmt: skip
+    """The table of the equal-top-1 settings' draws (``cell_draws``; the cell's own is SEED ``cell_seed``):
+    how many iterations each needed."""
     seeds = [cell_seed, *sorted({seed for found in draws.values() for seed in found} - {cell_seed})]
     lines = [
         f"#### Trained to {target:g} %, drawn again", "",
         "Each norm's equal-top-1 setting pretrained again with another SEED, as `tools/compare_norms.py --finetune "
         "--backbone-seeds --backbones equal_top1.json` makes it, where the cache has it: the iterations each draw "
-        f"trained before its top-1 reached {target:g} % (at an evaluation), then its val top-1; mean ± sample "
-        f"standard deviation of the iterations of the draws that reached {target:g} % before the end.", "",
+        f"trained before its top-1 reached {target:g} % (at an evaluation, or *at the end* of its schedule), "
+        f"then its val top-1; mean ± sample standard deviation of the iterations of the draws that reached "
+        f"{target:g} %.", "",
         "| norm | setting | " + " | ".join(f"SEED {s}{' (the cell)' if s == cell_seed else ''}" for s in seeds)
         + " | iterations, mean ± std |",
         "|---" * (len(seeds) + 3) + "|",
     ]  # fmt: skip
     for norm, found in draws.items():
         values = " | ".join(_draw_text(found[s]) if s in found else "–" for s in seeds)
-        stopped = [results["iterations"] for results in found.values() if results.get("stop_top1_reached")]
+        stopped = [results["iterations"] for results in found.values() if reached_stop(results)]
         spread = f"{statistics.mean(stopped):.0f} ± {statistics.stdev(stopped):.0f}" if len(stopped) > 1 else "–"
         lines.append(f"| {norm} | {settled[norm]['setting']} | {values} | {spread} |")
     return "\n".join(lines) + "\n"
@@ -534,11 +555,11 @@ def equal_draws_markdown(target: float, draws: dict[str, dict[int, dict]], settl
 
 def write_outputs(output_dir, description, cells, results, target, publish=None, equal=None,
                   draws: Optional[Callable[[dict], dict]] = None,
-                  equal_draws: Optional[Callable[[dict], dict]] = None) -> dict:  # fmt: skip
+                  equal_draws: Optional[Callable[[dict], dict]] = None, equal_seed: int = 1) -> dict:  # fmt: skip
     """results.md, .csv, .json and best.json (norms whose cells are all done); ``draws`` (settled best
     cells -> ``best_draws``) adds the table of their other draws; with ``equal`` (the ``equal_top1_cells``)
     also equal_top1.json and their table, and ``equal_draws`` ({norm: equal cell} -> ``cell_draws``) the
-    table of theirs. Returns best.json's content."""
+    table of theirs (``equal_seed``: the cells' own SEED). Returns best.json's content."""
     os.makedirs(output_dir, exist_ok=True)
     done = [results[cell] for cell in cells if cell in results]
     settled = settled_best_cells(cells, results)  # the "best" of the table, CSV, JSON and best.json alike
@@ -552,7 +573,7 @@ def write_outputs(output_dir, description, cells, results, target, publish=None,
         text += "\n" + equal_markdown(target, *equal, results, settled)
         drawn_equal = equal_draws(equal[0]) if equal_draws else {}
         if drawn_equal:
-            text += "\n" + equal_draws_markdown(target, drawn_equal, settled)
+            text += "\n" + equal_draws_markdown(target, drawn_equal, settled, equal_seed)
         equal_overrides = {norm: dict(cell.overrides) for norm, cell in equal[0].items()}
         write_json(os.path.join(output_dir, EQUAL_FILE), equal_overrides)
     with open(os.path.join(output_dir, TABLE_FILE), "w") as f:
@@ -573,7 +594,8 @@ def write_outputs(output_dir, description, cells, results, target, publish=None,
         "best_draws": {norm: {str(seed): top1 for seed, top1 in found.items()} for norm, found in drawn.items()},
         "target_top1": target,
         "equal_top1": [results[cell] for cell in equal[0].values() if cell in results] if equal is not None else [],
-        "equal_top1_draws": {norm: {str(seed): {key: r[key] for key in ("iterations", "val_top1")}
+        "equal_top1_draws": {norm: {str(seed): {"iterations": r["iterations"], "val_top1": r["val_top1"],
+                                                "reached": reached_stop(r)}
                                     for seed, r in found.items()} for norm, found in drawn_equal.items()},
     })  # fmt: skip
     write_json(os.path.join(output_dir, BEST_FILE), best_overrides)
@@ -596,9 +618,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--target-top1", type=float, metavar="X",
                         help="report the first evaluated iteration at which val top-1 reached X %%")  # fmt: skip
     parser.add_argument("--equal-top1", action="store_true",
-                        help="then train each norm's best setting again, stopped where its grid cell first reached "
+                        help="then train each norm's best setting again, stopped where its top-1 first reaches "
                         "--target-top1 (default: the lowest best top-1, rounded down to a whole percent, once every "
-                        "norm's cells are done; PRETRAIN.STOP_ITER), and write equal_top1.json for compare_norms")  # fmt: skip
+                        "norm's cells are done; PRETRAIN.STOP_TOP1 at the grid's PRETRAIN.EVAL_PERIOD), and write "
+                        "equal_top1.json for compare_norms")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
                         help="cells at once, the threads split between them (default: 1)")  # fmt: skip
     parser.add_argument("--estimate-steps", type=int, default=DEFAULT_ESTIMATE_STEPS, metavar="K",
@@ -686,7 +709,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description = describe(cfg, args.config_file, cells, args.target_top1)
         return write_outputs(args.output_dir, description, cells, results, args.target_top1, args.publish, equal,
                              draws=lambda settled: best_draws(settled, cells, configs, cfg.SEED),
-                             equal_draws=lambda chosen: cell_draws({n: configs[c] for n, c in chosen.items()}, cfg.SEED))  # fmt: skip
+                             equal_draws=lambda chosen: cell_draws({n: configs[c] for n, c in chosen.items()}, cfg.SEED),
+                             equal_seed=cfg.SEED)  # fmt: skip
 
     results = collect()
     todo = [cell for cell in cells if cell not in results]
@@ -709,9 +733,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{len(equal_todo)} to run; not reached by: {', '.join(equal[1]) or 'none'}.", flush=True)  # fmt: skip
         if equal_todo and not args.report_only:
             settled = settled_best_cells(cells, results)  # an equal cell stops where its grid cell reached X
-            expected = {cell: iterations_to_reach(settled[cell.norm]["top1_curve"], args.target_top1) for cell in equal_todo}
+            copied = same_run_cells(equal[0], settled, args.target_top1)
+            expected = {cell: 0 if cell in copied else iterations_to_reach(settled[cell.norm]["top1_curve"],
+                                                                           args.target_top1) for cell in equal_todo}  # fmt: skip
             print_estimate("the equal-top-1 cell(s) to run", equal_todo, results, configs, args, expected,
-                           f"where their grid cell reached {args.target_top1:g} %")  # fmt: skip
+                           f"where their grid cell reached {args.target_top1:g} %; 0 for a copy of the grid "
+                           "cell's backbone")  # fmt: skip
     if args.plan_only:
         planned = cells + (list(equal[0].values()) if equal else [])
         done = collect(planned[len(cells):])
@@ -727,6 +754,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         failed += run(todo) if todo else []
         equal = plan_equal()  # the norms the grid has just settled too
         if equal is not None:
+            for cell, grid_cell in same_run_cells(equal[0], settled_best_cells(cells, collect()), args.target_top1).items():
+                if not is_cached(configs[cell]):
+                    try:
+                        logger.info("%s: the run of %s, copied: %s", cell.name, grid_cell.name,
+                                    cache_same_run(configs[cell], configs[grid_cell]))  # fmt: skip
+                    except ValueError as error:
+                        logger.warning("%s: trained, not copied from %s: %s", cell.name, grid_cell.name, error)
             done = collect(list(equal[0].values()))
             failed += run([cell for cell in equal[0].values() if cell not in done])
     best = write()

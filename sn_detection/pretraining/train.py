@@ -151,9 +151,9 @@ class Evaluation(HookBase):
     event storage (metrics.json) and the log; with PRETRAIN.STOP_TOP1 X, the last one is the first
     periodic evaluation that reaches X.
 
-    It comes before the batch average and the PeriodicCheckpointer in the hooks: an evaluation that reaches
+    It comes before the batch average and the ``Checkpointer`` in the hooks: an evaluation that reaches
     X makes its iteration the trainer's last (``trainer.max_iter``), so that the batch average runs there
-    and the checkpoint written there holds it and this hook's state (``reached_at``); the next iteration's
+    and the final checkpoint written there holds it and this hook's state (``reached_at``); the next iteration's
     ``before_step`` ends the loop. A run resumed from that checkpoint ends at once, as the uninterrupted
     one did; one killed before it repeats the evaluation. The final evaluation (``after_train``, after the
     batch average) is skipped only when training failed, as in detectron2's EvalHook."""
@@ -196,7 +196,17 @@ class Evaluation(HookBase):
         return {"reached_at": self.reached_at} if self._target else {}
 
     def load_state_dict(self, state: dict) -> None:
-        self.reached_at = state["reached_at"]
+        if self._target:  # a stopped run resumed without its stop trains on
+            self.reached_at = state["reached_at"]
+
+
+class Checkpointer(hooks.PeriodicCheckpointer):
+    """detectron2's PeriodicCheckpointer, which also writes ``model_final`` where PRETRAIN.STOP_TOP1 made an
+    iteration the last (``Evaluation``): detectron2's reads ``trainer.max_iter`` once, before training."""
+
+    def after_step(self):
+        self.max_iter = self.trainer.max_iter
+        super().after_step()
 
 
 def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) -> dict:
@@ -230,7 +240,7 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
         hooks.LRScheduler(optimizer, schedule),
         evaluation,  # before the batch average and the checkpointer: it may make this iteration the last
         average,
-        hooks.PeriodicCheckpointer(checkpointer, cfg.PRETRAIN.CHECKPOINT_PERIOD) if main_process else None,
+        Checkpointer(checkpointer, cfg.PRETRAIN.CHECKPOINT_PERIOD) if main_process else None,
         hooks.PeriodicWriter(
             [CommonMetricPrinter(stop_iter), JSONWriter(os.path.join(output_dir, "metrics.json"))],
             period=LOG_PERIOD,
@@ -342,6 +352,41 @@ def is_cached(cfg: CfgNode) -> bool:
     """Whether ``cfg``'s backbone is in the cache, complete and verified by its manifest."""
     folder, key = _cache_entry(cfg)
     return is_intact(folder, key)
+
+
+def cache_same_run(cfg: CfgNode, source_cfg: CfgNode) -> str:
+    """Caches under ``cfg``'s key a copy of ``source_cfg``'s cached backbone, where ``cfg`` would train the
+    same run to the same end: ``cfg`` is ``source_cfg`` with PRETRAIN.STOP_TOP1 X (and its EVAL_PERIOD),
+    and every periodic evaluation of the source at that period stayed under X, so no stop would have
+    happened. Both are checked (ValueError: then it must be trained). Its results.json says it did not stop
+    and whose run it is (``same_run_as``). Returns the backbone's path."""
+    target, period = cfg.PRETRAIN.STOP_TOP1, cfg.PRETRAIN.EVAL_PERIOD
+    key, source_key = cache_key(cfg), cache_key(source_cfg)
+    for stop_key in ("STOP_TOP1", "EVAL_PERIOD"):
+        key["pretrain"].pop(stop_key, None)
+    if not target or key != source_key:
+        raise ValueError("the configs differ in more than PRETRAIN.STOP_TOP1 and its PRETRAIN.EVAL_PERIOD")
+    if not is_cached(source_cfg):
+        raise ValueError(f"{cached_backbone_folder(source_cfg)}: not in the cache")
+    source = cached_backbone_folder(source_cfg)
+    with open(os.path.join(source, "metrics.json")) as f:
+        logged = {row["iteration"]: row["val_top1"] for row in map(json.loads, filter(str.strip, f)) if "val_top1" in row}
+    stop_iter = trained_iterations(source_cfg)
+    periodic = {done: logged.get(done - 1) for done in range(period, stop_iter, period)}  # logged at the index
+    if any(top1 is None or top1 >= target for top1 in periodic.values()):
+        raise ValueError(f"{source}: its evaluations every {period} iterations are not all logged under {target:g} %")
+
+    def make(folder: str) -> None:
+        for kept in (BACKBONE_FILE, RESULTS_FILE, "metrics.json"):
+            shutil.copy2(os.path.join(source, kept), os.path.join(folder, kept))
+        with open(os.path.join(source, RESULTS_FILE)) as f:
+            results = json.load(f)
+        results.update(stop_top1=target, stop_top1_reached=False, same_run_as=source)
+        with open(os.path.join(folder, RESULTS_FILE), "w") as f:
+            json.dump(results, f, indent=2)
+
+    folder, entry_key = _cache_entry(cfg)
+    return os.path.join(ensure_folder(folder, entry_key, make), BACKBONE_FILE)
 
 
 def cached_backbone(cfg: CfgNode, work_dir: str | None = None) -> str:

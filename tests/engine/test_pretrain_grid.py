@@ -319,11 +319,15 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
         equal = json.loads((output / "equal_top1.json").read_text())
         return capsys.readouterr().out, (output / "results.md").read_text(), equal
 
-    # reached only at the end: the best cell itself, nothing runs
+    # reached only at the end: a copy of the best cell's backbone, nothing trains
     printed, table, equal = grid(35)
-    assert calls == [] and "Trained to 35 % (--equal-top1): 1 norm(s) with all cells done, 0 to run" in printed
-    assert equal == {"GN": {"PRETRAIN.BASE_LR": 0.1}}
+    assert calls == [] and "Trained to 35 % (--equal-top1): 1 norm(s) with all cells done, 1 to run" in printed
+    assert equal == {"GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_TOP1": 35.0, "PRETRAIN.EVAL_PERIOD": 20}}
     assert "| GN | LR 0.1 | 21 | 40.00 % | 40.00 % |" in table
+    copy = cached_backbone_folder(cell_cfg(cfg, Cell("GN", tuple(equal["GN"].items()))))
+    with open(os.path.join(copy, "results.json")) as f:
+        assert json.load(f)["same_run_as"] == cached_backbone_folder(cell_cfg(cfg, grid_cell))
+    assert "0 to run" in grid(35)[0]
 
     # reached after 20 iterations: the same run stopped there by its top-1, in a cell of its own
     printed, table, equal = grid(25)
@@ -355,8 +359,8 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
         cached_backbone(cell_cfg(cfg, Cell("BN", (("PRETRAIN.BASE_LR", 0.1),))))
     assert pretrain_grid.main(two_norms) == 0
     printed = capsys.readouterr().out  # GN reached 40 % at the end (its best itself), BN after 20 iterations
-    assert "Trained to 40 % (--equal-top1): 2 norm(s) with all cells done, 1 to run" in printed
-    assert "  BN-lr0.1-top1-40.0-eval20: to run" in printed and "  GN-lr0.1: done" in printed
+    assert "Trained to 40 % (--equal-top1): 2 norm(s) with all cells done, 2 to run" in printed
+    assert "  BN-lr0.1-top1-40.0-eval20: to run" in printed and "  GN-lr0.1-top1-40.0-eval20: to run" in printed
 
     # equal_top1.json feeds compare_norms --finetune --backbones as best.json does
     grid(25)
@@ -372,14 +376,15 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     # own iterations: the grid shows them, and the spread of the iterations of those that reached it
     draws = compare_norms.backbone_configs({"GN": stopped}, [2, 3], per_seed=True)
     assert [(c.SEED, c.PRETRAIN.STOP_TOP1) for c in draws.values()] == [(2, 25.0), (3, 25.0)]
-    for config, curve in zip(draws.values(), ([20.0, 27.0], [26.0, 33.0])):
+    for config, curve in zip(draws.values(), ([20.0, 27.0], [24.0, 24.0])):
         with monkeypatch.context() as patch:
             values = iter(curve)
             patch.setattr(pretraining_train, "top1", lambda *args: next(values))
             cached_backbone(config)
     table = grid(25)[1]
     assert "| norm | setting | SEED 1 (the cell) | SEED 2 | SEED 3 | iterations, mean ± std |" in table
-    assert "| GN | LR 0.1 | 20, 40.0 % | 21 (not reached), 27.0 % | 20, 33.0 % | 20 ± 0 |" in table
+    assert "| GN | LR 0.1 | 20, 40.0 % | 21 (at the end), 27.0 % | 21 (not reached), 24.0 % | 20 ± 1 |" in table
     assert json.loads((output / "results.json").read_text())["equal_top1_draws"] == {"GN": {
-        "1": {"iterations": 20, "val_top1": 40.0}, "2": {"iterations": 21, "val_top1": 27.0},
-        "3": {"iterations": 20, "val_top1": 33.0}}}  # fmt: skip
+        "1": {"iterations": 20, "val_top1": 40.0, "reached": True},
+        "2": {"iterations": 21, "val_top1": 27.0, "reached": True},  # at the end
+        "3": {"iterations": 21, "val_top1": 24.0, "reached": False}}}  # fmt: skip

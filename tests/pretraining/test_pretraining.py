@@ -173,7 +173,8 @@ def test_a_pretraining_stopped_at_a_top1_and_killed_after_its_last_checkpoint_re
 ):
     """The checkpoint of the iteration where the top-1 was reached holds the stop: resumed from it, the run
     trains no further step and ends with the uninterrupted one's backbone and top-1."""
-    opts = ("PRETRAIN.EVAL_PERIOD", 2, "PRETRAIN.STOP_TOP1", 50.0)
+    # a checkpoint every 3 iterations: the stop's, after 2, is the final one
+    opts = ("PRETRAIN.EVAL_PERIOD", 2, "PRETRAIN.STOP_TOP1", 50.0, "PRETRAIN.CHECKPOINT_PERIOD", 3)
     scripted_top1(monkeypatch, 60.0)
     whole = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "whole", *opts))
 
@@ -181,10 +182,10 @@ def test_a_pretraining_stopped_at_a_top1_and_killed_after_its_last_checkpoint_re
         pass
 
     cfg = tiny_cfg(tiny_classification_set, tmp_path / "resumed", *opts)
-    scripted_top1(monkeypatch, 60.0, Killed)  # killed in the final evaluation, after the checkpoint of iteration 1
+    scripted_top1(monkeypatch, 60.0, Killed)  # killed in the final evaluation, after the stop's checkpoint
     with pytest.raises(Killed):
         pretrain(cfg, resume=True)
-    assert (tmp_path / "resumed" / "model_0000001.pth").exists()
+    assert sorted(path.name for path in (tmp_path / "resumed").glob("model_*.pth")) == ["model_final.pth"]
     steps = []
 
     class RecordingTrainer(trainers.SimpleTrainer):
@@ -198,6 +199,37 @@ def test_a_pretraining_stopped_at_a_top1_and_killed_after_its_last_checkpoint_re
         resumed = pretrain(cfg, resume=True)
     assert steps == [] and resumed["iterations"] == 2 and resumed["val_top1"] == whole["val_top1"]
     first, second = (backbone_tensors(tmp_path / run / BACKBONE_FILE) for run in ("whole", "resumed"))
+    assert all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(second[k])) for k in first)
+
+
+def test_a_run_that_never_stops_is_cached_for_its_stop_as_a_copy(tiny_classification_set, tmp_path, monkeypatch):
+    """cache_same_run: a config with PRETRAIN.STOP_TOP1 X whose run is a cached one's, none of whose
+    evaluations at its EVAL_PERIOD reached X, gets a copy of that backbone: the one it would train."""
+    monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
+    run = ("PRETRAIN.MAX_ITER", 21, "PRETRAIN.EVAL_PERIOD", 20, "PRETRAIN.CHECKPOINT_PERIOD", 100)
+
+    def cfg(*opts):
+        return tiny_cfg(tiny_classification_set, tmp_path / "out", *run, *opts)
+
+    scripted_top1(monkeypatch, 30.0, 50.0)  # after 20 iterations, then after 21
+    cached_backbone(cfg())
+    with pytest.raises(ValueError, match="not all logged under 25 %"):  # it would stop after 20
+        pretraining_train.cache_same_run(cfg("PRETRAIN.STOP_TOP1", 25.0), cfg())
+    with pytest.raises(ValueError, match="not all logged under 35 %"):  # evaluated after 10 too: not logged
+        pretraining_train.cache_same_run(cfg("PRETRAIN.STOP_TOP1", 35.0, "PRETRAIN.EVAL_PERIOD", 10), cfg())
+    with pytest.raises(ValueError, match="differ in more than PRETRAIN.STOP_TOP1"):
+        pretraining_train.cache_same_run(cfg("PRETRAIN.STOP_TOP1", 35.0, "SEED", 2), cfg())
+    copied = pretraining_train.cache_same_run(cfg("PRETRAIN.STOP_TOP1", 35.0), cfg())
+    assert pretraining_train.is_cached(cfg("PRETRAIN.STOP_TOP1", 35.0))
+    with open(os.path.join(os.path.dirname(copied), RESULTS_FILE)) as f:
+        results = json.load(f)
+    assert results["stop_top1"] == 35.0 and not results["stop_top1_reached"] and results["iterations"] == 21
+
+    scripted_top1(monkeypatch, 30.0, 50.0)
+    trained = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "trained", *run, "PRETRAIN.STOP_TOP1", 35.0))
+    assert trained["iterations"] == 21 and not trained["stop_top1_reached"] and trained["val_top1"] == results["val_top1"]
+    first, second = backbone_tensors(copied), backbone_tensors(tmp_path / "trained" / BACKBONE_FILE)
+    assert first.keys() == second.keys()
     assert all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(second[k])) for k in first)
 
 
