@@ -226,6 +226,20 @@ def iterations_to_reach(curve: Sequence[tuple[int, float]], target: float) -> Op
     return next((iterations for iterations, top1 in curve if top1 >= target), None)
 
 
+def evaluated_throughout(curve: Sequence[tuple[int, float]], period: int, iterations: int) -> bool:
+    """Whether ``curve`` holds an evaluation after every ``period`` iterations before the end: a cell made
+    elsewhere (by ``make demo``, or without PRETRAIN.EVAL_PERIOD) may hold only the final one, and then
+    its first iteration at a top-1 is known only to be at most the end."""
+    logged = dict(curve)
+    return period > 0 and all(done in logged for done in range(period, iterations, period))
+
+
+def _reach_text(reached: Optional[int], result: dict) -> str:
+    if reached is None:
+        return NOT_REACHED
+    return f"{reached}" if result["evaluated_throughout"] else f"≤ {reached} (evaluated at the end only)"
+
+
 def cell_result(output_dir: str, cell: Cell, cfg: CfgNode, target: Optional[float]) -> Optional[dict]:
     """The result of a done cell (its backbone in the cache), else None."""
     if not is_cached(cfg):
@@ -247,6 +261,7 @@ def cell_result(output_dir: str, cell: Cell, cfg: CfgNode, target: Optional[floa
         "wall_source": "grid" if attempts else "training time in results.json",
         "s_per_iter": seconds_per_iteration(os.path.join(cache, METRICS_FILE)),
         "top1_curve": curve,
+        "evaluated_throughout": evaluated_throughout(curve, cfg.PRETRAIN.EVAL_PERIOD, results["iterations"]),
         "backbone": cached_backbone_path(cfg),
     }
     if "stop_top1" in results:  # PRETRAIN.STOP_TOP1 X, and whether a periodic evaluation reached X
@@ -322,11 +337,12 @@ def equal_top1_cells(cells: Sequence[Cell], results: dict, target: float,
 
 
 def same_run_cells(equal: dict[str, Cell], settled: dict[str, dict], target: float) -> dict[Cell, Cell]:
-    """{equal-top-1 cell: its grid cell} where the grid cell first reached ``target`` at its end: the
-    equal cell would train that same run to the same end, so ``cache_same_run`` caches a copy of the
-    grid cell's backbone for it instead."""
+    """{equal-top-1 cell: its grid cell} where the grid cell, evaluated throughout, first reached
+    ``target`` at its end: the equal cell would train that same run to the same end, so
+    ``cache_same_run`` caches a copy of the grid cell's backbone for it instead."""
     return {cell: Cell(norm, tuple(settled[norm]["overrides"].items())) for norm, cell in equal.items()
-            if iterations_to_reach(settled[norm]["top1_curve"], target) >= settled[norm]["iterations"]}  # fmt: skip
+            if settled[norm]["evaluated_throughout"]
+            and iterations_to_reach(settled[norm]["top1_curve"], target) >= settled[norm]["iterations"]}  # fmt: skip
 
 
 # -- the estimate ------------------------------------------------------------------------------------
@@ -454,8 +470,7 @@ def markdown(description: str, cells: Sequence[Cell], results: dict, target: Opt
             row = (f"| {cell.norm} | {cell.setting}{mark} | {result['val_top1']:.2f} % | {result['iterations']} | "
                    f"{format_duration(result['wall_s'])} | {result['s_per_iter']:.3f} |")  # fmt: skip
             if target is not None:
-                reached = result["iterations_to_target"]
-                row += f" {NOT_REACHED if reached is None else reached} |"
+                row += f" {_reach_text(result['iterations_to_target'], result)} |"
         lines.append(row)
     return "\n".join(lines) + "\n"
 
@@ -504,14 +519,16 @@ def equal_markdown(target: float, equal: dict[str, Cell], not_reached: Sequence[
         best = settled[norm]
         expected = iterations_to_reach(best["top1_curve"], target)
         result = results.get(cell)
+        known = best["evaluated_throughout"]  # else the cell's first reach is only known to be by its end
         if result is None:
-            trained, done = f"{expected}", "not done | "
+            trained, done = _reach_text(expected, best), "not done | "
         else:
             trained = f"{result['iterations']}" if reached_stop(result) else f"{NOT_REACHED} in {result['iterations']}"
-            trained += f" (grid cell: {expected})" if result["iterations"] != expected else ""
+            if result["iterations"] != expected:
+                trained += f" (grid cell: {_reach_text(expected, best)})"
             done = f"{result['val_top1']:.2f} % | {format_duration(result['wall_s'])}"
-        at = dict(best["top1_curve"])[expected]
-        lines.append(f"| {norm} | {best['setting']} | {trained} | {at:.2f} % | {done} |")
+        at = f"{dict(best['top1_curve'])[expected]:.2f} %" if known else "–"
+        lines.append(f"| {norm} | {best['setting']} | {trained} | {at} | {done} |")
     for norm in not_reached:
         lines.append(f"| {norm} | {settled[norm]['setting']} | {NOT_REACHED} in {settled[norm]['iterations']} | "
                      f"best {settled[norm]['val_top1']:.2f} % | | |")  # fmt: skip

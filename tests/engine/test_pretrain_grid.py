@@ -256,6 +256,26 @@ def test_the_table_shows_each_norms_best_setting_drawn_again(tmp_path, monkeypat
     assert json.loads((output / "results.json").read_text())["best_draws"] == {}
 
 
+def test_a_cell_evaluated_only_at_its_end_bounds_its_first_reach_and_is_not_copied():
+    """A cell made elsewhere without PRETRAIN.EVAL_PERIOD (the demo's backbone) has only its final top-1:
+    its iterations to a target are a bound, and its equal-top-1 cell is trained, not copied."""
+    assert pretrain_grid.evaluated_throughout([(20, 30.0), (21, 40.0)], 20, 21)
+    assert not pretrain_grid.evaluated_throughout([(21, 40.0)], 20, 21)
+    assert not pretrain_grid.evaluated_throughout([(21, 40.0)], 0, 21)
+    cell = Cell("SN", (("PRETRAIN.BASE_LR", 0.2),))
+    result = {"norm": "SN", "setting": cell.setting, "overrides": dict(cell.overrides), "val_top1": 40.0,
+              "iterations": 21, "wall_s": 60.0, "s_per_iter": 1.0, "top1_curve": [(21, 40.0)],
+              "evaluated_throughout": False, "iterations_to_target": 21}  # fmt: skip
+    table = pretrain_grid.markdown("grid", [cell], {cell: result}, 35.0)
+    assert "| SN | LR 0.2 (best) | 40.00 % | 21 | 60 s | 1.000 | ≤ 21 (evaluated at the end only) |" in table
+    equal, _ = pretrain_grid.equal_top1_cells([cell], {cell: result}, 35.0, 20)
+    assert pretrain_grid.same_run_cells(equal, {"SN": result}, 35.0) == {}
+    text = pretrain_grid.equal_markdown(35.0, equal, [], {}, {"SN": result})
+    assert "| SN | LR 0.2 | ≤ 21 (evaluated at the end only) | – | not done |  |" in text
+    throughout = dict(result, top1_curve=[(20, 30.0), (21, 40.0)], evaluated_throughout=True)
+    assert pretrain_grid.same_run_cells(equal, {"SN": throughout}, 35.0) == {equal["SN"]: cell}
+
+
 def test_the_estimate_counts_the_iterations_a_cell_still_trains():
     """s/iter (the median of the norm's finished cells) x iterations: the config's, or those given (an
     equal-top-1 cell stops where its grid cell reached the target), less those checkpointed; / jobs."""
