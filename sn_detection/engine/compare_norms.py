@@ -533,7 +533,8 @@ def describe(
         "s/iter (median over training) and min/run (start-up, training, batch average and evaluation) are "
         f"wall-clock times on {os.cpu_count()} CPU cores, noisy where other work shared the machine."
         + (" *Backbone top-1*, where known: the val top-1 of the pretrained backbone the runs started from (one "
-           "figure where every seed started from the same one)." if finetuned else "")
+           "figure where every seed started from the same one); *backbone iterations*, where a backbone stopped at "
+           "a top-1 (PRETRAIN.STOP_TOP1): the pretraining iterations it took." if finetuned else "")
     )
 
 

@@ -22,8 +22,9 @@ from typing import Sequence
 
 from .runs import AP_METRICS, RunResult
 
-# What is averaged: the AP columns, then the cost, the end of the learning curve and the backbone's top-1.
-SUMMARY_COLUMNS = (*AP_METRICS, "wall_s", "s_per_iter", "final_loss", "backbone_top1")
+# What is averaged: the AP columns, then the cost, the end of the learning curve, the backbone's top-1 and
+# the iterations of a backbone stopped at a top-1.
+SUMMARY_COLUMNS = (*AP_METRICS, "wall_s", "s_per_iter", "final_loss", "backbone_top1", "backbone_iterations")
 CSV_COLUMNS = ("kind", "setting", "backbone", "head", "batch_average", "seed", "runs", "iterations",
                *SUMMARY_COLUMNS, "folder")  # fmt: skip
 # markdown column -> summary column, for the value columns
@@ -136,11 +137,17 @@ def format_top1(mean: float, std: float) -> str:
     return f"{mean:.1f} %" if math.isnan(std) or std <= 1e-9 * max(1.0, abs(mean)) else f"{mean:.1f} ± {std:.1f} %"
 
 
+def format_iterations(mean: float, std: float) -> str:
+    return "–" if math.isnan(mean) else format_mean_std(mean, std, digits=0)
+
+
 def markdown_table(summaries: Sequence[SettingSummary]) -> str:
-    """The table; a *backbone top-1* column where any setting started from a backbone of known top-1."""
+    """The table; a *backbone top-1* column where any setting started from a backbone of known top-1, and
+    a *backbone iterations* column where any backbone stopped at a top-1 (PRETRAIN.STOP_TOP1)."""
     top1 = any(not math.isnan(s.mean["backbone_top1"]) for s in summaries)
+    stopped = any(not math.isnan(s.mean["backbone_iterations"]) for s in summaries)
     header = ["setting", "backbone", "FPN + heads", "test statistics", "runs", *(["backbone top-1"] if top1 else []),
-              *_TABLE_VALUES, "s/iter", "min/run"]  # fmt: skip
+              *(["backbone iterations"] if stopped else []), *_TABLE_VALUES, "s/iter", "min/run"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s in summaries:
         values = [format_mean_std(s.mean[column], s.std[column]) for column in _TABLE_VALUES.values()]
@@ -151,6 +158,7 @@ def markdown_table(summaries: Sequence[SettingSummary]) -> str:
             statistics_label(s.batch_average),
             str(s.runs),
             *([format_top1(s.mean["backbone_top1"], s.std["backbone_top1"])] if top1 else []),
+            *([format_iterations(s.mean["backbone_iterations"], s.std["backbone_iterations"])] if stopped else []),
             *values,
             f"{s.mean['s_per_iter']:.2f}",
             f"{s.mean['wall_s'] / 60:.1f}",

@@ -48,6 +48,8 @@ class RunResult:
     folder: str
     backbone_top1: float = math.nan  # val top-1 of the pretrained backbone it started from; NaN: none known
     weights: str | None = None  # the MODEL.WEIGHTS it started from; None: from scratch
+    # the iterations its backbone pretrained where it stopped at a top-1 (PRETRAIN.STOP_TOP1); NaN otherwise
+    backbone_iterations: float = math.nan
 
 
 def is_finished(folder: str, results_file: str) -> bool:
@@ -106,6 +108,7 @@ def read_result(folder: str, results_file: str, backbone_results_file: str | Non
     times = [row["time"] for row in read_metrics(folder) if "time" in row]
     curve = loss_curve(folder)
     weights = initial_weights(record["train_args"])
+    backbone = _backbone_results(weights, backbone_results_file)
     return RunResult(
         setting=record["setting"],
         backbone=record["backbone"],
@@ -118,8 +121,9 @@ def read_result(folder: str, results_file: str, backbone_results_file: str | Non
         s_per_iter=statistics.median(times) if times else math.nan,
         final_loss=curve[-1][1] if curve else math.nan,
         folder=folder,
-        backbone_top1=_backbone_top1(weights, backbone_results_file),
+        backbone_top1=float(backbone.get("val_top1", math.nan)),
         weights=weights,
+        backbone_iterations=float(backbone["iterations"]) if "stop_top1" in backbone else math.nan,
     )
 
 
@@ -130,14 +134,14 @@ def initial_weights(train_args: Sequence[str]) -> str | None:
     return weights[-1] if weights else None
 
 
-def _backbone_top1(weights: str | None, backbone_results_file: str | None) -> float:
-    """``val_top1`` of the results file beside a run's initial ``weights``; NaN without weights, or where
-    no such file or value is."""
+def _backbone_results(weights: str | None, backbone_results_file: str | None) -> dict:
+    """The results file pretraining left beside a run's initial ``weights`` (its ``val_top1``, and with
+    PRETRAIN.STOP_TOP1 its ``iterations``); empty without weights, or where there is no such file."""
     if not backbone_results_file or not weights:
-        return math.nan
+        return {}
     path = os.path.join(os.path.dirname(weights), backbone_results_file)
     if not os.path.isfile(path):
-        return math.nan
+        return {}
     with open(path) as f:
-        top1 = json.load(f).get("val_top1")
-    return math.nan if top1 is None else float(top1)
+        results = json.load(f)
+    return {key: value for key, value in results.items() if value is not None}

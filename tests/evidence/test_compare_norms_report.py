@@ -2,6 +2,7 @@
 the markdown table, differences within a backbone, the CSV and the plots."""
 
 import csv
+import dataclasses
 import json
 import math
 
@@ -73,6 +74,18 @@ def test_the_backbone_top1_column_is_there_where_a_backbone_is_known():
     assert lines[0].startswith("| setting | backbone | FPN + heads | test statistics | runs | backbone top-1 | box AP |")
     assert [line.split(" | ")[5] for line in lines[2:]] == ["55.6 %", "62.0 ± 2.8 %", "–"]
     assert "backbone top-1" not in report.markdown_table(report.summarize(RESULTS, ["GN"]))
+    assert "backbone iterations" not in "\n".join(lines)
+
+
+def test_the_backbone_iterations_column_is_there_where_a_backbone_stopped_at_a_top1():
+    stopped = [
+        *(dataclasses.replace(result("SN", seed, 10.0, 8.0, backbone_top1=52.0), backbone_iterations=its)
+          for seed, its in ((1, 240.0), (2, 360.0))),
+        result("GN", 1, 7.0, 6.5, backbone_top1=60.0),  # a backbone that trained its schedule
+    ]  # fmt: skip
+    lines = report.markdown_table(report.summarize(stopped, ["SN", "GN"])).splitlines()
+    assert "| runs | backbone top-1 | backbone iterations | box AP |" in lines[0]
+    assert [line.split(" | ")[6] for line in lines[2:]] == ["300 ± 85", "–"]
 
 
 def test_settings_that_start_from_the_same_weights_are_compared_seed_by_seed(tmp_path):
@@ -177,6 +190,9 @@ def test_a_run_folder_is_read(tmp_path):
     assert math.isnan(run.backbone_top1)
     assert read_result(str(tmp_path), RESULTS_FILE, "pretrained.json").backbone_top1 == 68.25
     assert math.isnan(read_result(str(tmp_path), RESULTS_FILE, "missing.json").backbone_top1)
+    assert math.isnan(read_result(str(tmp_path), RESULTS_FILE, "pretrained.json").backbone_iterations)
+    (backbone / "pretrained.json").write_text(json.dumps({"val_top1": 52.5, "iterations": 360, "stop_top1": 52.0}))
+    assert read_result(str(tmp_path), RESULTS_FILE, "pretrained.json").backbone_iterations == 360
     assert run.weights == str(backbone / "backbone.pth")  # what pairs it with runs from the same backbone
 
 
