@@ -68,7 +68,6 @@ import argparse
 import csv
 import functools
 import itertools
-import json
 import logging
 import math
 import os
@@ -83,8 +82,8 @@ from .. import model_zoo
 from ..d2 import valid_norm_names
 from ..pretraining.model import PRETRAINED_AS
 from ..pretraining.train import (
-    LOG_PERIOD, RESULTS_FILE, cache_same_run, cached_backbone_folder, cached_backbone_path, is_cached,
-    trained_iterations,
+    LOG_PERIOD, METRICS_FILE, RESULTS_FILE, cache_same_run, cached_backbone_folder, cached_backbone_path, is_cached,
+    top1_curve, trained_iterations,
 )  # fmt: skip
 from .compare_norms import DEFAULT_SEEDS, backbone_configs, config_label, override_list, with_pretrain_overrides
 from .jobs import (
@@ -111,7 +110,6 @@ DEFAULT_NORMS = ("BN", "GN", "SN", "DN", "MGN")
 DEFAULT_LRS = (0.05, 0.1, 0.2, 0.4)
 DEFAULT_OUTPUT_DIR = os.path.join("output", "pretrain_grid")
 DEFAULT_ESTIMATE_STEPS = 3
-METRICS_FILE = "metrics.json"
 TABLE_FILE, CSV_FILE, JSON_FILE, BEST_FILE = "results.md", "results.csv", "results.json", "best.json"
 EQUAL_FILE = "equal_top1.json"
 NOT_REACHED = "not reached"
@@ -204,21 +202,6 @@ def check_cell_folders(output_dir: str, cells: Sequence[Cell], configs: dict) ->
                 f"not the planned {planned} (another config, budget or override): use another --output-dir, "
                 "or remove that folder"
             )
-
-
-def top1_curve(metrics_path: str, max_iter: int) -> list[tuple[int, float]]:
-    """(iterations trained, val top-1) of each evaluation in metrics.json. detectron2 logs a periodic
-    evaluation at the index of the iteration it follows (so after index + 1 iterations) and the final one
-    at ``max_iter`` (the iterations trained) or its index; a resumed run appends, so an evaluation logged
-    twice keeps its latest value, and so does the final one over a periodic one after the same iterations
-    (PRETRAIN.STOP_TOP1's stop: the final one is after the batch average)."""
-    if not os.path.isfile(metrics_path):
-        return []
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    by_iteration = {row["iteration"]: row["val_top1"] for row in rows if "val_top1" in row}
-    trained = {(it if it >= max_iter else it + 1): top1 for it, top1 in sorted(by_iteration.items())}
-    return sorted(trained.items())
 
 
 def iterations_to_reach(curve: Sequence[tuple[int, float]], target: float) -> Optional[int]:

@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 BACKBONE_FILE = "backbone.pth"
 RESULTS_FILE = "results.json"
+METRICS_FILE = "metrics.json"
 LOG_PERIOD = 20
 WARMUP_FACTOR = 0.001
 # Bump when pretraining changes what it produces, so that cached backbones are made again.
@@ -242,7 +243,7 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
         average,
         Checkpointer(checkpointer, cfg.PRETRAIN.CHECKPOINT_PERIOD) if main_process else None,
         hooks.PeriodicWriter(
-            [CommonMetricPrinter(stop_iter), JSONWriter(os.path.join(output_dir, "metrics.json"))],
+            [CommonMetricPrinter(stop_iter), JSONWriter(os.path.join(output_dir, METRICS_FILE))],
             period=LOG_PERIOD,
         ) if main_process else None,
     ])  # fmt: skip
@@ -354,6 +355,21 @@ def is_cached(cfg: CfgNode) -> bool:
     return is_intact(folder, key)
 
 
+def top1_curve(metrics_path: str, max_iter: int) -> list[tuple[int, float]]:
+    """(iterations trained, val top-1) of each evaluation in metrics.json. detectron2 logs a periodic
+    evaluation at the index of the iteration it follows (so after index + 1 iterations) and the final one
+    at ``max_iter`` (the iterations trained) or its index; a resumed run appends, so an evaluation logged
+    twice keeps its latest value, and so does the final one over a periodic one after the same iterations
+    (PRETRAIN.STOP_TOP1's stop: the final one is after the batch average)."""
+    if not os.path.isfile(metrics_path):
+        return []
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    by_iteration = {row["iteration"]: row["val_top1"] for row in rows if "val_top1" in row}
+    trained = {(it if it >= max_iter else it + 1): top1 for it, top1 in sorted(by_iteration.items())}
+    return sorted(trained.items())
+
+
 def cache_same_run(cfg: CfgNode, source_cfg: CfgNode) -> str:
     """Caches under ``cfg``'s key a copy of ``source_cfg``'s cached backbone, where ``cfg`` would train the
     same run to the same end: ``cfg`` is ``source_cfg`` with PRETRAIN.STOP_TOP1 X (and its EVAL_PERIOD),
@@ -369,15 +385,14 @@ def cache_same_run(cfg: CfgNode, source_cfg: CfgNode) -> str:
     if not is_cached(source_cfg):
         raise ValueError(f"{cached_backbone_folder(source_cfg)}: not in the cache")
     source = cached_backbone_folder(source_cfg)
-    with open(os.path.join(source, "metrics.json")) as f:
-        logged = {row["iteration"]: row["val_top1"] for row in map(json.loads, filter(str.strip, f)) if "val_top1" in row}
     stop_iter = trained_iterations(source_cfg)
-    periodic = {done: logged.get(done - 1) for done in range(period, stop_iter, period)}  # logged at the index
-    if any(top1 is None or top1 >= target for top1 in periodic.values()):
+    curve = dict(top1_curve(os.path.join(source, METRICS_FILE), stop_iter))
+    periodic = [curve.get(done) for done in range(period, stop_iter, period)]
+    if any(top1 is None or top1 >= target for top1 in periodic):
         raise ValueError(f"{source}: its evaluations every {period} iterations are not all logged under {target:g} %")
 
     def make(folder: str) -> None:
-        for kept in (BACKBONE_FILE, RESULTS_FILE, "metrics.json"):
+        for kept in (BACKBONE_FILE, METRICS_FILE):
             shutil.copy2(os.path.join(source, kept), os.path.join(folder, kept))
         with open(os.path.join(source, RESULTS_FILE)) as f:
             results = json.load(f)
@@ -402,7 +417,7 @@ def cached_backbone(cfg: CfgNode, work_dir: str | None = None) -> str:
     def make(target: str) -> None:
         work = work_dir or os.path.join(target, "training")
         pretrain(cfg, resume=work_dir is not None, output_dir=work)
-        for kept in (BACKBONE_FILE, RESULTS_FILE, "metrics.json"):
+        for kept in (BACKBONE_FILE, RESULTS_FILE, METRICS_FILE):
             shutil.move(os.path.join(work, kept), os.path.join(target, kept))
         if work_dir is None:
             shutil.rmtree(work)
