@@ -80,6 +80,7 @@ from ..pretraining.train import (
     cached_backbone_path,
     is_cached,
     pretrained_root,
+    same_run_stop,
     trained_iterations,
 )
 from .jobs import (
@@ -313,6 +314,12 @@ def print_plan(runs: Sequence[RunSpec], pretraining: dict[tuple[str, int], CfgNo
               "time:", flush=True)  # fmt: skip
         for config in missing:
             norm, steps = pretrained_norm(config), trained_iterations(config)
+            same_run = same_run_stop(config)
+            if same_run is not None:
+                where = f"after {same_run[1]} iterations" if same_run[1] else "at its end"
+                print(f"  {norm}, SEED {config.SEED}: made without training from the cached run it cuts short "
+                      f"(top-1 {config.PRETRAIN.STOP_TOP1:g} % first reached {where}): {same_run[0]}", flush=True)  # fmt: skip
+                continue
             done = checkpointed_iterations(os.path.join(backbone_job_folder(output_dir, config), WORK_FOLDER))
             per_iter, count = cached_seconds_per_iteration(config)
             basis = (f"{per_iter:.2f} s/iter, the median of {count} cached {norm} backbone(s)' training time"

@@ -46,15 +46,18 @@ cell). FrozenBN is pretrained as BN (``pretrained_norm``), so it is the BN cell.
   finding of their own; and since the stop is the config's, ``compare_norms --backbone-seeds`` draws of it
   stop at X too, each after its own number of iterations. X is ``--target-top1``, by default the lowest
   of the norms' best top-1 rounded down to a whole percent (known once every cell is done), so that every
-  norm reaches it; a norm whose best never did is reported as not reached. Where a norm's best cell first
-  reached X at its end (the final evaluation), the equal cell would train that same run to the same end:
-  its backbone is a copy of the cell's (``cache_same_run``, which checks that no periodic evaluation
-  reached X), so its draws still stop at X.
+  norm reaches it; a norm whose best never did is reported as not reached. Where a norm's best cell
+  first reached X at its end (the final evaluation), or at an evaluation whose model it kept (a grid run
+  with PRETRAIN.KEEP_EVALUATED_MODELS), the equal cell is made from the cell's run without training
+  (``pretraining.train.same_run_stop``): a copy of its backbone, or the batch average of that model.
 - **Outputs** in OUTPUT_DIR: ``results.md`` (top-1 per norm x setting with wall times, each norm's best
   setting by val top-1 in bold, then a row per cell, and where the cache holds other draws of a best
   setting (another SEED, as ``compare_norms --backbone-seeds`` makes them) a table of the draws),
   ``results.csv``, ``results.json`` (with the curves and those draws), and ``best.json``, ``{norm:
-  {PRETRAIN key: value}}``: each norm's best setting, for norms whose cells are all done;
+  {PRETRAIN key: value}}``: each norm's best setting, for norms whose cells are all done, with the
+  grid's PRETRAIN.EVAL_PERIOD and KEEP_EVALUATED_MODELS where it evaluates periodically (neither changes
+  the backbone: a draw of the setting is evaluated, and keeps its models, as the cell was, so that its
+  equal-top-1 draw is made from it);
   ``tools/compare_norms.py --finetune --backbones best.json`` finetunes each setting from its backbone
   norm's best backbone (FrozenBN from BN's). ``--publish FILE`` also writes the markdown. With
   ``--equal-top1``, ``equal_top1.json`` (the same form, each norm's best setting with PRETRAIN.STOP_TOP1
@@ -82,8 +85,8 @@ from .. import model_zoo
 from ..d2 import valid_norm_names
 from ..pretraining.model import PRETRAINED_AS
 from ..pretraining.train import (
-    LOG_PERIOD, METRICS_FILE, RESULTS_FILE, cache_same_run, cached_backbone_folder, cached_backbone_path, is_cached,
-    top1_curve, trained_iterations,
+    LOG_PERIOD, METRICS_FILE, RESULTS_FILE, cached_backbone, cached_backbone_folder, cached_backbone_path,
+    is_cached, same_run_stop, top1_curve, trained_iterations,
 )  # fmt: skip
 from .compare_norms import DEFAULT_SEEDS, backbone_configs, config_label, override_list, with_pretrain_overrides
 from .jobs import (
@@ -319,18 +322,6 @@ def equal_top1_cells(cells: Sequence[Cell], results: dict, target: float,
     return equal, not_reached
 
 
-def same_run_cells(equal: dict[str, Cell], settled: dict[str, dict], target: float) -> dict[Cell, Cell]:
-    """{equal-top-1 cell: its grid cell} where the grid cell, evaluated throughout, first reached
-    ``target`` at its end: the equal cell would train that same run to the same end, so
-    ``cache_same_run`` caches a copy of the grid cell's backbone for it instead."""
-    return {cell: Cell(norm, tuple(settled[norm]["overrides"].items())) for norm, cell in equal.items()
-            if settled[norm]["evaluated_throughout"]
-            and iterations_to_reach(settled[norm]["top1_curve"], target) >= settled[norm]["iterations"]}  # fmt: skip
-
-
-# -- the estimate ------------------------------------------------------------------------------------
-
-
 def measured_step_seconds(cfg: CfgNode, steps: int, threads: int) -> float:
     """The median of ``steps`` pretraining steps of ``cfg`` (after one untimed) on a random batch at
     ``threads`` intra-op threads: the trainer, network and optimizer of pretraining, without its data."""
@@ -553,17 +544,29 @@ def equal_draws_markdown(target: float, draws: dict[str, dict[int, dict]], settl
     return "\n".join(lines) + "\n"
 
 
+def periodic_settings(cfg: CfgNode) -> dict:
+    """The grid's PRETRAIN.EVAL_PERIOD and KEEP_EVALUATED_MODELS where it evaluates periodically, for
+    best.json: not part of a setting (the backbone is the same without them), but how a draw of it runs
+    to be evaluated as the cell was and to serve its equal-top-1 draw (``same_run_stop``)."""
+    if not cfg.PRETRAIN.EVAL_PERIOD:
+        return {}
+    keep = {"PRETRAIN.KEEP_EVALUATED_MODELS": True} if cfg.PRETRAIN.KEEP_EVALUATED_MODELS else {}
+    return {"PRETRAIN.EVAL_PERIOD": cfg.PRETRAIN.EVAL_PERIOD, **keep}
+
+
 def write_outputs(output_dir, description, cells, results, target, publish=None, equal=None,
                   draws: Optional[Callable[[dict], dict]] = None,
-                  equal_draws: Optional[Callable[[dict], dict]] = None, equal_seed: int = 1) -> dict:  # fmt: skip
-    """results.md, .csv, .json and best.json (norms whose cells are all done); ``draws`` (settled best
-    cells -> ``best_draws``) adds the table of their other draws; with ``equal`` (the ``equal_top1_cells``)
-    also equal_top1.json and their table, and ``equal_draws`` ({norm: equal cell} -> ``cell_draws``) the
-    table of theirs (``equal_seed``: the cells' own SEED). Returns best.json's content."""
+                  equal_draws: Optional[Callable[[dict], dict]] = None, equal_seed: int = 1,
+                  periodic: Optional[dict] = None) -> dict:  # fmt: skip
+    """results.md, .csv, .json and best.json (norms whose cells are all done, each with the ``periodic``
+    settings: ``periodic_settings``); ``draws`` (settled best cells -> ``best_draws``) adds the table of
+    their other draws; with ``equal`` (the ``equal_top1_cells``) also equal_top1.json and their table, and
+    ``equal_draws`` ({norm: equal cell} -> ``cell_draws``) the table of theirs (``equal_seed``: the cells'
+    own SEED). Returns best.json's content."""
     os.makedirs(output_dir, exist_ok=True)
     done = [results[cell] for cell in cells if cell in results]
     settled = settled_best_cells(cells, results)  # the "best" of the table, CSV, JSON and best.json alike
-    best_overrides = {norm: result["overrides"] for norm, result in settled.items()}
+    best_overrides = {norm: {**result["overrides"], **(periodic or {})} for norm, result in settled.items()}
     drawn = draws(settled) if draws else {}
     text = markdown(description, cells, results, target)
     if drawn:
@@ -710,7 +713,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return write_outputs(args.output_dir, description, cells, results, args.target_top1, args.publish, equal,
                              draws=lambda settled: best_draws(settled, cells, configs, cfg.SEED),
                              equal_draws=lambda chosen: cell_draws({n: configs[c] for n, c in chosen.items()}, cfg.SEED),
-                             equal_seed=cfg.SEED)  # fmt: skip
+                             equal_seed=cfg.SEED, periodic=periodic_settings(cfg))  # fmt: skip
 
     results = collect()
     todo = [cell for cell in cells if cell not in results]
@@ -733,12 +736,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{len(equal_todo)} to run; not reached by: {', '.join(equal[1]) or 'none'}.", flush=True)  # fmt: skip
         if equal_todo and not args.report_only:
             settled = settled_best_cells(cells, results)  # an equal cell stops where its grid cell reached X
-            copied = same_run_cells(equal[0], settled, args.target_top1)
-            expected = {cell: 0 if cell in copied else iterations_to_reach(settled[cell.norm]["top1_curve"],
-                                                                           args.target_top1) for cell in equal_todo}  # fmt: skip
+            expected = {cell: 0 if same_run_stop(configs[cell]) else iterations_to_reach(settled[cell.norm]["top1_curve"],
+                                                                                     args.target_top1)
+                        for cell in equal_todo}  # fmt: skip
             print_estimate("the equal-top-1 cell(s) to run", equal_todo, results, configs, args, expected,
-                           f"where their grid cell reached {args.target_top1:g} %; 0 for a copy of the grid "
-                           "cell's backbone")  # fmt: skip
+                           f"where their grid cell reached {args.target_top1:g} %; 0 for one made from the grid "
+                           "cell's run")  # fmt: skip
     if args.plan_only:
         planned = cells + (list(equal[0].values()) if equal else [])
         done = collect(planned[len(cells):])
@@ -754,13 +757,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         failed += run(todo) if todo else []
         equal = plan_equal()  # the norms the grid has just settled too
         if equal is not None:
-            for cell, grid_cell in same_run_cells(equal[0], settled_best_cells(cells, collect()), args.target_top1).items():
-                if not is_cached(configs[cell]):
-                    try:
-                        logger.info("%s: the run of %s, copied: %s", cell.name, grid_cell.name,
-                                    cache_same_run(configs[cell], configs[grid_cell]))  # fmt: skip
-                    except ValueError as error:
-                        logger.warning("%s: trained, not copied from %s: %s", cell.name, grid_cell.name, error)
+            for cell in equal[0].values():  # made from its grid cell's run, here: nothing to train
+                if not is_cached(configs[cell]) and same_run_stop(configs[cell]) is not None:
+                    cached_backbone(configs[cell])
             done = collect(list(equal[0].values()))
             failed += run([cell for cell in equal[0].values() if cell not in done])
     best = write()

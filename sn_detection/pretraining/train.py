@@ -27,6 +27,9 @@ crops and flips (``data``), so a resumed run trains as an uninterrupted one.
 backbone (the ResNet and norm settings, the input convention, PRETRAIN, SEED), verified by its manifest
 on every use like the datasets (``sn_detection.data.cache``): the demo's backbone, and the finetuning
 sweep's. The folders are in ``$SN_DETECTION_PRETRAINED``, by default ``~/.cache/sn_detection/pretrained``.
+A run with PRETRAIN.KEEP_EVALUATED_MODELS keeps its model at each periodic evaluation there too
+(``evaluated/``): a run stopped at a top-1 is the same run cut short, so it is made from the kept model
+of the evaluation where it would stop, by the batch average alone.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from detectron2.utils import comm
 from detectron2.utils.env import seed_all_rng
 from detectron2.utils.events import CommonMetricPrinter, JSONWriter, get_event_storage
 from fvcore.common.param_scheduler import CosineParamScheduler
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from ..conversion import InputConvention
@@ -64,6 +68,7 @@ logger = logging.getLogger(__name__)
 BACKBONE_FILE = "backbone.pth"
 RESULTS_FILE = "results.json"
 METRICS_FILE = "metrics.json"
+EVALUATED_FOLDER = "evaluated"  # the model at each periodic evaluation (PRETRAIN.KEEP_EVALUATED_MODELS)
 LOG_PERIOD = 20
 WARMUP_FACTOR = 0.001
 # Bump when pretraining changes what it produces, so that cached backbones are made again.
@@ -157,11 +162,14 @@ class Evaluation(HookBase):
     and the final checkpoint written there holds it and this hook's state (``reached_at``); the next iteration's
     ``before_step`` ends the loop. A run resumed from that checkpoint ends at once, as the uninterrupted
     one did; one killed before it repeats the evaluation. The final evaluation (``after_train``, after the
-    batch average) is skipped only when training failed, as in detectron2's EvalHook."""
+    batch average) is skipped only when training failed, as in detectron2's EvalHook. With ``keep_in`` (the
+    main process's, under PRETRAIN.KEEP_EVALUATED_MODELS) the model is saved there at each periodic
+    evaluation (``save_evaluated_model``)."""
 
-    def __init__(self, cfg, model, images):
+    def __init__(self, cfg, model, images, keep_in: str | None = None):
         self._period, self._target = cfg.PRETRAIN.EVAL_PERIOD, cfg.PRETRAIN.STOP_TOP1
         self._evaluate = lambda: self._top1(cfg, model, images)
+        self._model, self._keep_in = model, keep_in
         self.latest = None
         self.reached_at = None  # iterations trained when a periodic evaluation reached STOP_TOP1
 
@@ -184,6 +192,8 @@ class Evaluation(HookBase):
         done = self.trainer.iter + 1
         if self._period > 0 and done % self._period == 0 and done != self.trainer.max_iter:
             self._evaluate()
+            if self._keep_in is not None:
+                save_evaluated_model(self._model, self._keep_in, done)
             if self._target and self.latest >= self._target:
                 logger.info("Top-1 %.2f %% reached PRETRAIN.STOP_TOP1=%g after %d iterations: training stops here",
                             self.latest, self._target, done)  # fmt: skip
@@ -231,8 +241,9 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
     ddp = trainer.model
     checkpointer = CheckedCheckpointer(ddp, output_dir, trainer=trainer)
     schedule = build_schedule(cfg, optimizer)
-    evaluation = Evaluation(cfg, ddp, val_images)
     main_process = comm.is_main_process()
+    keep_in = os.path.join(output_dir, EVALUATED_FOLDER) if cfg.PRETRAIN.KEEP_EVALUATED_MODELS and main_process else None
+    evaluation = Evaluation(cfg, ddp, val_images, keep_in)
     batches = cfg.PRETRAIN.BATCH_AVERAGE_BATCHES
     average = batch_average_hook(ddp, lambda start: train_loader(cfg, train_images, cfg.PRETRAIN.MAX_ITER + start),
                                  batches, period=0) if batches else None  # fmt: skip
@@ -265,25 +276,77 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
         trainer.train(start_iter, stop_iter)
     except TargetReached:
         pass
+    results = _results(cfg, folder, train_images, evaluation.latest, evaluation.reached_at, time.perf_counter() - start)
+    if main_process:
+        _write_outputs(model, results, output_dir)
+    return results
+
+
+def _results(cfg: CfgNode, data: str, images: ClassificationImages, val_top1: float, reached_at: int | None,
+             seconds: float) -> dict:  # fmt: skip
+    """results.json of a run of ``cfg`` on ``images`` (in the folder ``data``) that reached PRETRAIN.STOP_TOP1 after ``reached_at``
+    iterations (None: trained its whole schedule)."""
     results = {
-        "val_top1": evaluation.latest,
-        "classes": len(train_images.classes),
-        "data": folder,
+        "val_top1": val_top1,
+        "classes": len(images.classes),
+        "data": data,
         "depth": cfg.MODEL.RESNETS.DEPTH,
         "norm": pretrained_norm(cfg),
-        "iterations": evaluation.reached_at or stop_iter,
+        "iterations": reached_at or trained_iterations(cfg),
         "schedule_iterations": cfg.PRETRAIN.MAX_ITER,
         "ims_per_batch": cfg.PRETRAIN.IMS_PER_BATCH,
         "processes": comm.get_world_size(),
-        "train_seconds": round(time.perf_counter() - start, 1),
+        "train_seconds": round(seconds, 1),
         "input_convention": input_convention(cfg)._asdict(),
     }
     if cfg.PRETRAIN.STOP_TOP1:  # reached: stopped there; else trained to the end of its schedule
-        results.update(stop_top1=cfg.PRETRAIN.STOP_TOP1, stop_top1_reached=evaluation.reached_at is not None)
-    if main_process:
-        write_checkpoint(backbone_state(model), os.path.join(output_dir, BACKBONE_FILE), author="sn_detection pretraining")
-        with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
-            json.dump(results, f, indent=2)
+        results.update(stop_top1=cfg.PRETRAIN.STOP_TOP1, stop_top1_reached=reached_at is not None)
+    return results
+
+
+def _write_outputs(model: BackboneClassifier, results: dict, output_dir: str) -> None:
+    write_checkpoint(backbone_state(model), os.path.join(output_dir, BACKBONE_FILE), author="sn_detection pretraining")
+    with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
+        json.dump(results, f, indent=2)
+
+
+def save_evaluated_model(model: torch.nn.Module, folder: str, iterations: int) -> None:
+    """The classifier's state (weights and moving averages) after ``iterations``, as ``stop_at_evaluation``
+    reads it: written whole or not at all (a run killed while writing it writes it again when resumed)."""
+    os.makedirs(folder, exist_ok=True)
+    path = evaluated_model_path(folder, iterations)
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    torch.save({"model": module.state_dict(), "iterations": iterations}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def evaluated_model_path(folder: str, iterations: int) -> str:
+    return os.path.join(folder, f"model_after_{iterations:07d}.pth")
+
+
+def stop_at_evaluation(cfg: CfgNode, evaluated_model: str, output_dir: str) -> dict:
+    """What ``pretrain(cfg)`` ends with where PRETRAIN.STOP_TOP1 stopped it, made from the model saved at
+    that evaluation by the same run without the stop (PRETRAIN.KEEP_EVALUATED_MODELS): the batch average
+    and the final evaluation, as in ``pretrain``, and its backbone.pth and results.json in ``output_dir``.
+    One process. Returns the results."""
+    start = time.perf_counter()
+    folder = data_folder(cfg.PRETRAIN.DATA)
+    size, area, image_format = cfg.PRETRAIN.IMAGE_SIZE, cfg.PRETRAIN.CROP_AREA, cfg.INPUT.FORMAT
+    train_images = ClassificationImages(folder, "train", size, area, image_format)
+    val_images = ClassificationImages(folder, "val", size, area, image_format)
+    model = BackboneClassifier(cfg, len(train_images.classes)).to(cfg.MODEL.DEVICE)
+    saved = torch.load(evaluated_model, map_location=cfg.MODEL.DEVICE)
+    model.load_state_dict(saved["model"])
+    model.train()  # as the trainer leaves it
+    batches = cfg.PRETRAIN.BATCH_AVERAGE_BATCHES
+    average = batch_average_hook(model, lambda start: train_loader(cfg, train_images, cfg.PRETRAIN.MAX_ITER + start),
+                                 batches, period=0) if batches else None  # fmt: skip
+    if average is not None:
+        average.update()
+    val_top1 = top1(cfg, model, val_images)
+    logger.info("Top-1 on the val split (%d images): %.2f %%", len(val_images), val_top1)
+    results = _results(cfg, folder, train_images, val_top1, saved["iterations"], time.perf_counter() - start)
+    _write_outputs(model, results, output_dir)
     return results
 
 
@@ -313,7 +376,8 @@ def pretrained_root() -> str:
 
 def cache_key(cfg: CfgNode) -> dict:
     """Everything that determines the pretrained backbone (module docstring)."""
-    pretrain = {k: v for k, v in cfg.PRETRAIN.items() if k not in ("OUTPUT_DIR", "NUM_WORKERS", "EVAL_PERIOD", "CHECKPOINT_PERIOD")}
+    unkeyed = ("OUTPUT_DIR", "NUM_WORKERS", "EVAL_PERIOD", "CHECKPOINT_PERIOD", "KEEP_EVALUATED_MODELS")
+    pretrain = {k: v for k, v in cfg.PRETRAIN.items() if k not in unkeyed}
     if trained_iterations(cfg) == cfg.PRETRAIN.MAX_ITER:  # the whole schedule, however it is written
         del pretrain["STOP_ITER"]
     if cfg.PRETRAIN.STOP_TOP1:  # where it stops depends on when it is evaluated
@@ -370,38 +434,50 @@ def top1_curve(metrics_path: str, max_iter: int) -> list[tuple[int, float]]:
     return sorted(trained.items())
 
 
-def cache_same_run(cfg: CfgNode, source_cfg: CfgNode) -> str:
-    """Caches under ``cfg``'s key a copy of ``source_cfg``'s cached backbone, where ``cfg`` would train the
-    same run to the same end: ``cfg`` is ``source_cfg`` with PRETRAIN.STOP_TOP1 X (and its EVAL_PERIOD),
-    and every periodic evaluation of the source at that period stayed under X, so no stop would have
-    happened. Both are checked (ValueError: then it must be trained). Its results.json says it did not stop
-    and whose run it is (``same_run_as``). Returns the backbone's path."""
+def same_run_stop(cfg: CfgNode) -> tuple[str, int | None] | None:
+    """Where ``cfg`` has PRETRAIN.STOP_TOP1 X and the same run without the stop is cached, evaluated at each
+    of cfg's PRETRAIN.EVAL_PERIOD before its end: (that run's cache folder, the iterations after which it
+    first reached X there, or None where it never did before its end, so that ``cfg`` trains that same
+    run to the same end). None where that is not known, or where the run reached X at an evaluation whose
+    model it did not keep (PRETRAIN.KEEP_EVALUATED_MODELS): then ``cfg`` must be trained."""
     target, period = cfg.PRETRAIN.STOP_TOP1, cfg.PRETRAIN.EVAL_PERIOD
-    key, source_key = cache_key(cfg), cache_key(source_cfg)
-    for stop_key in ("STOP_TOP1", "EVAL_PERIOD"):
-        key["pretrain"].pop(stop_key, None)
-    if not target or key != source_key:
-        raise ValueError("the configs differ in more than PRETRAIN.STOP_TOP1 and its PRETRAIN.EVAL_PERIOD")
+    if not target:
+        return None
+    source_cfg = cfg.clone()
+    source_cfg.defrost()
+    source_cfg.PRETRAIN.STOP_TOP1 = 0.0
     if not is_cached(source_cfg):
-        raise ValueError(f"{cached_backbone_folder(source_cfg)}: not in the cache")
-    source = cached_backbone_folder(source_cfg)
-    stop_iter = trained_iterations(source_cfg)
-    curve = dict(top1_curve(os.path.join(source, METRICS_FILE), stop_iter))
-    periodic = [curve.get(done) for done in range(period, stop_iter, period)]
-    if any(top1 is None or top1 >= target for top1 in periodic):
-        raise ValueError(f"{source}: its evaluations every {period} iterations are not all logged under {target:g} %")
+        return None
+    source, end = cached_backbone_folder(source_cfg), trained_iterations(source_cfg)
+    curve = dict(top1_curve(os.path.join(source, METRICS_FILE), end))
+    for done in range(period, end, period):
+        if done not in curve:
+            return None
+        if curve[done] >= target:
+            return (source, done) if os.path.isfile(evaluated_model_path(os.path.join(source, EVALUATED_FOLDER), done)) else None
+    return source, None
 
-    def make(folder: str) -> None:
-        for kept in (BACKBONE_FILE, METRICS_FILE):
-            shutil.copy2(os.path.join(source, kept), os.path.join(folder, kept))
+
+def _from_same_run(cfg: CfgNode, source: str, stop: int | None, folder: str) -> None:
+    """Make ``cfg``'s cache entry in ``folder`` from ``same_run_stop``'s run in ``source``: a copy where it
+    did not stop, else ``stop_at_evaluation`` of its model after ``stop`` iterations, with its metrics.json
+    up to there. results.json says whose run it is (``same_run_as``)."""
+    with open(os.path.join(source, METRICS_FILE)) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if stop is None:
+        shutil.copy2(os.path.join(source, BACKBONE_FILE), os.path.join(folder, BACKBONE_FILE))
         with open(os.path.join(source, RESULTS_FILE)) as f:
             results = json.load(f)
-        results.update(stop_top1=target, stop_top1_reached=False, same_run_as=source)
-        with open(os.path.join(folder, RESULTS_FILE), "w") as f:
-            json.dump(results, f, indent=2)
-
-    folder, entry_key = _cache_entry(cfg)
-    return os.path.join(ensure_folder(folder, entry_key, make), BACKBONE_FILE)
+        results.update(stop_top1=cfg.PRETRAIN.STOP_TOP1, stop_top1_reached=False)
+    else:  # the periodic rows up to the stop, then the final evaluation's, where ``pretrain`` logs it
+        rows = [row for row in rows if row["iteration"] < stop]
+        results = stop_at_evaluation(cfg, evaluated_model_path(os.path.join(source, EVALUATED_FOLDER), stop), folder)
+        rows.append({"iteration": stop, "val_top1": results["val_top1"]})
+    results["same_run_as"] = source
+    with open(os.path.join(folder, RESULTS_FILE), "w") as f:
+        json.dump(results, f, indent=2)
+    with open(os.path.join(folder, METRICS_FILE), "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 def cached_backbone(cfg: CfgNode, work_dir: str | None = None) -> str:
@@ -411,14 +487,25 @@ def cached_backbone(cfg: CfgNode, work_dir: str | None = None) -> str:
     Without ``work_dir`` it is pretrained from the start in a temporary folder. With ``work_dir`` (a stable
     folder of the caller's, for one cache key only) it is pretrained there with ``resume``: a run killed
     mid-way continues from its last checkpoint (PRETRAIN.CHECKPOINT_PERIOD) the next time; once finished
-    its outputs move into the cache folder, which is renamed into place whole, and ``work_dir`` is removed."""
+    its outputs move into the cache folder, which is renamed into place whole, and ``work_dir`` is removed.
+
+    A config with PRETRAIN.STOP_TOP1 whose run without the stop is cached and tells where it would stop
+    (``same_run_stop``) is made from that run instead, without training: a copy, or the batch average of the
+    model it kept at that evaluation."""
     folder, key = _cache_entry(cfg)
 
     def make(target: str) -> None:
+        same_run = same_run_stop(cfg)
+        if same_run is not None:
+            logger.info("%s: the run of %s stopped after %s iterations, made from it without training",
+                        os.path.basename(folder), same_run[0], same_run[1] or "all its")  # fmt: skip
+            _from_same_run(cfg, *same_run, target)
+            return
         work = work_dir or os.path.join(target, "training")
         pretrain(cfg, resume=work_dir is not None, output_dir=work)
-        for kept in (BACKBONE_FILE, RESULTS_FILE, METRICS_FILE):
-            shutil.move(os.path.join(work, kept), os.path.join(target, kept))
+        for kept in (BACKBONE_FILE, RESULTS_FILE, METRICS_FILE, EVALUATED_FOLDER):
+            if os.path.exists(os.path.join(work, kept)):
+                shutil.move(os.path.join(work, kept), os.path.join(target, kept))
         if work_dir is None:
             shutil.rmtree(work)
 

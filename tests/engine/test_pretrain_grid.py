@@ -256,9 +256,10 @@ def test_the_table_shows_each_norms_best_setting_drawn_again(tmp_path, monkeypat
     assert json.loads((output / "results.json").read_text())["best_draws"] == {}
 
 
-def test_a_cell_evaluated_only_at_its_end_bounds_its_first_reach_and_is_not_copied():
+def test_a_cell_evaluated_only_at_its_end_bounds_its_first_reach():
     """A cell made elsewhere without PRETRAIN.EVAL_PERIOD (the demo's backbone) has only its final top-1:
-    its iterations to a target are a bound, and its equal-top-1 cell is trained, not copied."""
+    its iterations to a target are a bound (and its equal-top-1 cell is trained, not made from its run:
+    ``same_run_stop``, tests/pretraining)."""
     assert pretrain_grid.evaluated_throughout([(20, 30.0), (21, 40.0)], 20, 21)
     assert not pretrain_grid.evaluated_throughout([(21, 40.0)], 20, 21)
     assert not pretrain_grid.evaluated_throughout([(21, 40.0)], 0, 21)
@@ -269,11 +270,8 @@ def test_a_cell_evaluated_only_at_its_end_bounds_its_first_reach_and_is_not_copi
     table = pretrain_grid.markdown("grid", [cell], {cell: result}, 35.0)
     assert "| SN | LR 0.2 (best) | 40.00 % | 21 | 60 s | 1.000 | ≤ 21 (evaluated at the end only) |" in table
     equal, _ = pretrain_grid.equal_top1_cells([cell], {cell: result}, 35.0, 20)
-    assert pretrain_grid.same_run_cells(equal, {"SN": result}, 35.0) == {}
     text = pretrain_grid.equal_markdown(35.0, equal, [], {}, {"SN": result})
     assert "| SN | LR 0.2 | ≤ 21 (evaluated at the end only) | – | not done |  |" in text
-    throughout = dict(result, top1_curve=[(20, 30.0), (21, 40.0)], evaluated_throughout=True)
-    assert pretrain_grid.same_run_cells(equal, {"SN": throughout}, 35.0) == {equal["SN"]: cell}
 
 
 def test_the_estimate_counts_the_iterations_a_cell_still_trains():
@@ -332,9 +330,9 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     monkeypatch.setattr(jobs.subprocess, "call", lambda command, **kw: calls.append(command) or call(command, **kw))
     output = tmp_path / "grid"
 
-    def grid(target):
+    def grid(target, *more_opts):
         options = ["--norms", "GN", "--lrs", "0.1", "--target-top1", str(target), "--equal-top1", "--output-dir",
-                   str(output), "--estimate-steps", "0", *opts]  # fmt: skip
+                   str(output), "--estimate-steps", "0", *opts, *more_opts]  # fmt: skip
         assert pretrain_grid.main(options) == 0
         equal = json.loads((output / "equal_top1.json").read_text())
         return capsys.readouterr().out, (output / "results.md").read_text(), equal
@@ -343,6 +341,8 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     printed, table, equal = grid(35)
     assert calls == [] and "Trained to 35 % (--equal-top1): 1 norm(s) with all cells done, 1 to run" in printed
     assert equal == {"GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_TOP1": 35.0, "PRETRAIN.EVAL_PERIOD": 20}}
+    # best.json: a draw of the best setting is evaluated as the cell was
+    assert json.loads((output / "best.json").read_text()) == {"GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.EVAL_PERIOD": 20}}
     assert "| GN | LR 0.1 | 21 | 40.00 % | 40.00 % |" in table
     copy = cached_backbone_folder(cell_cfg(cfg, Cell("GN", tuple(equal["GN"].items()))))
     with open(os.path.join(copy, "results.json")) as f:
@@ -362,6 +362,33 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     assert "| GN | LR 0.1 | 20 | 30.00 % | 40.00 % |" in table  # the final evaluation: the script's 40 %
     calls.clear()
     assert "0 to run" in grid(25)[0] and calls == []
+
+    # a grid cell that kept its models (PRETRAIN.KEEP_EVALUATED_MODELS): an equal cell that stops after 20
+    # iterations is made from the model kept there, in the grid's process; nothing trains
+    shutil.rmtree(cached_backbone_folder(cell_cfg(cfg, grid_cell)))
+    keep = ("PRETRAIN.KEEP_EVALUATED_MODELS", "True")
+    with monkeypatch.context() as patch:
+        values = iter([30.0, 40.0])
+        patch.setattr(pretraining_train, "top1", lambda *args: next(values))
+        cached_backbone(cell_cfg(load_cfg(CONFIG, [*opts, *keep]), grid_cell))
+    (tmp_path / "stop28.json").write_text(json.dumps(
+        {"GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_TOP1": 28.0, "PRETRAIN.EVAL_PERIOD": 20}}))  # fmt: skip
+    sweep = ["--finetune", "--backbones", str(tmp_path / "stop28.json"), "--settings", "GN", "--plan-only",
+             "--output-dir", str(tmp_path / "sweep28"), *opts]  # fmt: skip
+    assert compare_norms.main(sweep) == 0
+    assert ("  GN, SEED 1: made without training from the cached run it cuts short (top-1 28 % first reached after "
+            f"20 iterations): {cached_backbone_folder(cell_cfg(cfg, grid_cell))}") in capsys.readouterr().out
+    calls.clear()
+    printed, table, equal = grid(28, *keep)
+    assert calls == [] and "0 for one made from the grid cell's run" in printed
+    made = cached_backbone_folder(cell_cfg(cfg, Cell("GN", tuple(equal["GN"].items()))))
+    with open(os.path.join(made, "results.json")) as f:
+        results = json.load(f)
+    assert results["iterations"] == 20 and results["stop_top1_reached"]
+    assert results["same_run_as"] == cached_backbone_folder(cell_cfg(cfg, grid_cell))
+    assert "| GN | LR 0.1 | 20 | 30.00 % |" in table
+    assert json.loads((output / "best.json").read_text()) == {
+        "GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.EVAL_PERIOD": 20, "PRETRAIN.KEEP_EVALUATED_MODELS": True}}  # fmt: skip
 
     # not reached
     printed, table, equal = grid(50)

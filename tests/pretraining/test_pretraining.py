@@ -203,8 +203,9 @@ def test_a_pretraining_stopped_at_a_top1_and_killed_after_its_last_checkpoint_re
 
 
 def test_a_run_that_never_stops_is_cached_for_its_stop_as_a_copy(tiny_classification_set, tmp_path, monkeypatch):
-    """cache_same_run: a config with PRETRAIN.STOP_TOP1 X whose run is a cached one's, none of whose
-    evaluations at its EVAL_PERIOD reached X, gets a copy of that backbone: the one it would train."""
+    """A config with PRETRAIN.STOP_TOP1 X whose run is a cached one's, none of whose evaluations at its
+    EVAL_PERIOD reached X, gets a copy of that backbone (the one it would train) without training; where
+    the cached run does not tell where it would stop, it trains."""
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
     run = ("PRETRAIN.MAX_ITER", 21, "PRETRAIN.EVAL_PERIOD", 20, "PRETRAIN.CHECKPOINT_PERIOD", 100)
 
@@ -212,23 +213,73 @@ def test_a_run_that_never_stops_is_cached_for_its_stop_as_a_copy(tiny_classifica
         return tiny_cfg(tiny_classification_set, tmp_path / "out", *run, *opts)
 
     scripted_top1(monkeypatch, 30.0, 50.0)  # after 20 iterations, then after 21
-    cached_backbone(cfg())
-    with pytest.raises(ValueError, match="not all logged under 25 %"):  # it would stop after 20
-        pretraining_train.cache_same_run(cfg("PRETRAIN.STOP_TOP1", 25.0), cfg())
-    with pytest.raises(ValueError, match="not all logged under 35 %"):  # evaluated after 10 too: not logged
-        pretraining_train.cache_same_run(cfg("PRETRAIN.STOP_TOP1", 35.0, "PRETRAIN.EVAL_PERIOD", 10), cfg())
-    with pytest.raises(ValueError, match="differ in more than PRETRAIN.STOP_TOP1"):
-        pretraining_train.cache_same_run(cfg("PRETRAIN.STOP_TOP1", 35.0, "SEED", 2), cfg())
-    copied = pretraining_train.cache_same_run(cfg("PRETRAIN.STOP_TOP1", 35.0), cfg())
-    assert pretraining_train.is_cached(cfg("PRETRAIN.STOP_TOP1", 35.0))
+    source = os.path.dirname(cached_backbone(cfg()))
+    same_run_stop = pretraining_train.same_run_stop
+    assert same_run_stop(cfg("PRETRAIN.STOP_TOP1", 25.0)) is None  # it stops after 20, where no model was kept
+    assert same_run_stop(cfg("PRETRAIN.STOP_TOP1", 35.0, "PRETRAIN.EVAL_PERIOD", 10)) is None  # not evaluated at 10
+    assert same_run_stop(cfg("PRETRAIN.STOP_TOP1", 35.0, "SEED", 2)) is None  # another run, not cached
+    assert same_run_stop(cfg("PRETRAIN.STOP_TOP1", 35.0)) == (source, None)
+    copied = cached_backbone(cfg("PRETRAIN.STOP_TOP1", 35.0))
     with open(os.path.join(os.path.dirname(copied), RESULTS_FILE)) as f:
         results = json.load(f)
     assert results["stop_top1"] == 35.0 and not results["stop_top1_reached"] and results["iterations"] == 21
+    assert results["same_run_as"] == source
 
     scripted_top1(monkeypatch, 30.0, 50.0)
     trained = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "trained", *run, "PRETRAIN.STOP_TOP1", 35.0))
     assert trained["iterations"] == 21 and not trained["stop_top1_reached"] and trained["val_top1"] == results["val_top1"]
-    first, second = backbone_tensors(copied), backbone_tensors(tmp_path / "trained" / BACKBONE_FILE)
+    first, second = (backbone_tensors(path) for path in (copied, tmp_path / "trained" / BACKBONE_FILE))
+    assert all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(second[k])) for k in first)
+
+
+def test_a_run_stopped_at_a_top1_is_made_from_the_model_its_whole_run_kept_there(
+    tiny_classification_set, tmp_path, monkeypatch
+):
+    """PRETRAIN.KEEP_EVALUATED_MODELS keeps the model at each periodic evaluation in the cache; a config with
+    PRETRAIN.STOP_TOP1 X is then made from the model of the first evaluation that reached X by the batch
+    average and the final evaluation alone: the trained stopped run's backbone, results and top-1 curve,
+    without a training step."""
+    monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
+    run = ("PRETRAIN.MAX_ITER", 41, "PRETRAIN.EVAL_PERIOD", 20, "PRETRAIN.CHECKPOINT_PERIOD", 100)
+
+    def cfg(*opts):
+        return tiny_cfg(tiny_classification_set, tmp_path / "out", *run, *opts)
+
+    scripted_top1(monkeypatch, 40.0, 60.0, 70.0)  # after 20 and 40 iterations, then after 41
+    source = os.path.dirname(cached_backbone(cfg("PRETRAIN.KEEP_EVALUATED_MODELS", True)))
+    kept = sorted(os.listdir(os.path.join(source, "evaluated")))
+    assert kept == ["model_after_0000020.pth", "model_after_0000040.pth"]
+    assert pretraining_train.is_cached(cfg())  # the same backbone, whether its models were kept or not
+
+    stop = cfg("PRETRAIN.STOP_TOP1", 50.0)
+    assert pretraining_train.same_run_stop(stop) == (source, 40)
+    steps = []
+
+    class RecordingTrainer(trainers.SimpleTrainer):
+        def run_step(self):
+            steps.append(self.iter)
+            super().run_step()
+
+    calls = scripted_top1(monkeypatch, 80.0)
+    with monkeypatch.context() as patch:
+        patch.setattr(trainers, "SimpleTrainer", RecordingTrainer)
+        made = os.path.dirname(cached_backbone(stop))
+    assert steps == [] and calls == [80.0]  # the final evaluation only
+    with open(os.path.join(made, RESULTS_FILE)) as f:
+        results = json.load(f)
+    assert results["same_run_as"] == source and not os.path.exists(os.path.join(made, "evaluated"))
+
+    scripted_top1(monkeypatch, 40.0, 60.0, 80.0)
+    trained = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "trained", *run, "PRETRAIN.STOP_TOP1", 50.0))
+    assert trained["iterations"] == 40 and trained["stop_top1_reached"]
+    ignored = ("train_seconds", "same_run_as")
+    assert {k: v for k, v in results.items() if k not in ignored} == {
+        k: v for k, v in json.loads(json.dumps(trained)).items() if k not in ignored}  # fmt: skip
+    curve = pretraining_train.top1_curve
+    assert curve(os.path.join(made, "metrics.json"), 40) == curve(tmp_path / "trained" / "metrics.json", 40) == [
+        (20, 40.0), (40, 80.0)]  # fmt: skip
+    first, second = (backbone_tensors(path) for path in (os.path.join(made, BACKBONE_FILE),
+                                                          tmp_path / "trained" / BACKBONE_FILE))  # fmt: skip
     assert first.keys() == second.keys()
     assert all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(second[k])) for k in first)
 
