@@ -439,7 +439,8 @@ def same_run_stop(cfg: CfgNode) -> tuple[str, int | None] | None:
     of cfg's PRETRAIN.EVAL_PERIOD before its end: (that run's cache folder, the iterations after which it
     first reached X there, or None where it never did before its end, so that ``cfg`` trains that same
     run to the same end). None where that is not known, or where the run reached X at an evaluation whose
-    model it did not keep (PRETRAIN.KEEP_EVALUATED_MODELS): then ``cfg`` must be trained."""
+    model it did not keep (PRETRAIN.KEEP_EVALUATED_MODELS), or where the run was trained by several
+    processes (``stop_at_evaluation`` is one): then ``cfg`` must be trained."""
     target, period = cfg.PRETRAIN.STOP_TOP1, cfg.PRETRAIN.EVAL_PERIOD
     if not target:
         return None
@@ -449,6 +450,9 @@ def same_run_stop(cfg: CfgNode) -> tuple[str, int | None] | None:
     if not is_cached(source_cfg):
         return None
     source, end = cached_backbone_folder(source_cfg), trained_iterations(source_cfg)
+    with open(os.path.join(source, RESULTS_FILE)) as f:
+        if json.load(f)["processes"] != 1:  # its batch average was over each process's share of a batch
+            return None
     curve = dict(top1_curve(os.path.join(source, METRICS_FILE), end))
     for done in range(period, end, period):
         if done not in curve:

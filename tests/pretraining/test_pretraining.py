@@ -18,6 +18,7 @@ from PIL import Image
 from tiny_pretraining import REPO, pretrain_killed_at, tiny_cfg, tiny_pretraining
 
 from sn_detection.d2 import trainers
+from sn_detection.data import cache as data_cache
 from sn_detection.engine import pretrain_backbone
 from sn_detection.pretraining import train as pretraining_train
 from sn_detection.pretraining.model import BackboneClassifier, backbone_cfg, pretrained_norm
@@ -282,6 +283,17 @@ def test_a_run_stopped_at_a_top1_is_made_from_the_model_its_whole_run_kept_there
                                                           tmp_path / "trained" / BACKBONE_FILE))  # fmt: skip
     assert first.keys() == second.keys()
     assert all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(second[k])) for k in first)
+
+    # a run of several processes batch-averaged each one's share of a batch: a stop is trained, not made
+    with open(os.path.join(source, RESULTS_FILE)) as f:
+        source_results = json.load(f)
+    with open(os.path.join(source, RESULTS_FILE), "w") as f:
+        json.dump(dict(source_results, processes=2), f)
+    with open(os.path.join(source, data_cache.MANIFEST)) as f:
+        manifest = json.load(f)
+    with open(os.path.join(source, data_cache.MANIFEST), "w") as f:
+        json.dump(dict(manifest, files=data_cache._list_files(source)), f)
+    assert pretraining_train.is_cached(cfg()) and pretraining_train.same_run_stop(stop) is None
 
 
 def test_the_cache_key_holds_a_top1_stop_and_its_evaluation_period_only_when_set(tiny_classification_set, tmp_path):
