@@ -220,18 +220,24 @@ class Checkpointer(hooks.PeriodicCheckpointer):
         super().after_step()
 
 
-def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) -> dict:
-    """Pretrain the ResNet of ``cfg`` in this process (of ``comm.get_world_size()``); writes the outputs
-    (module docstring) into ``output_dir`` (default PRETRAIN.OUTPUT_DIR) and returns the results."""
-    output_dir = output_dir or cfg.PRETRAIN.OUTPUT_DIR
-    stop_iter = trained_iterations(cfg)
-    os.makedirs(output_dir, exist_ok=True)
+def _splits(cfg: CfgNode) -> tuple[str, ClassificationImages, ClassificationImages]:
+    """PRETRAIN.DATA's folder and its train and val splits, as ``cfg`` reads them."""
     folder = data_folder(cfg.PRETRAIN.DATA)
     size, area, image_format = cfg.PRETRAIN.IMAGE_SIZE, cfg.PRETRAIN.CROP_AREA, cfg.INPUT.FORMAT
     train_images = ClassificationImages(folder, "train", size, area, image_format)
     val_images = ClassificationImages(folder, "val", size, area, image_format)
     if val_images.classes != train_images.classes:
         raise ValueError(f"{folder}: the val split's classes differ from the train split's")
+    return folder, train_images, val_images
+
+
+def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) -> dict:
+    """Pretrain the ResNet of ``cfg`` in this process (of ``comm.get_world_size()``); writes the outputs
+    (module docstring) into ``output_dir`` (default PRETRAIN.OUTPUT_DIR) and returns the results."""
+    output_dir = output_dir or cfg.PRETRAIN.OUTPUT_DIR
+    stop_iter = trained_iterations(cfg)
+    os.makedirs(output_dir, exist_ok=True)
+    folder, train_images, val_images = _splits(cfg)
 
     # as detectron2's default_setup seeds: a fixed SEED gives the same initial network (DDP broadcasts rank 0's)
     seed_all_rng(None if cfg.SEED < 0 else cfg.SEED + comm.get_rank())
@@ -268,7 +274,7 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
     logger.info(
         "Pretraining %s-%d with %s norms on %d images of %d classes (%s), %d px, %d per batch, iterations %d-%d, "
         "of a %d-iteration schedule, on %s", "ResNet", cfg.MODEL.RESNETS.DEPTH, pretrained_norm(cfg),
-        len(train_images), len(train_images.classes), folder, size, cfg.PRETRAIN.IMS_PER_BATCH, start_iter,
+        len(train_images), len(train_images.classes), folder, cfg.PRETRAIN.IMAGE_SIZE, cfg.PRETRAIN.IMS_PER_BATCH, start_iter,
         stop_iter, cfg.PRETRAIN.MAX_ITER, cfg.MODEL.DEVICE,
     )  # fmt: skip
     start = time.perf_counter()
@@ -329,11 +335,8 @@ def stop_at_evaluation(cfg: CfgNode, evaluated_model: str, output_dir: str) -> d
     that evaluation by the same run without the stop (PRETRAIN.KEEP_EVALUATED_MODELS): the batch average
     and the final evaluation, as in ``pretrain``, and its backbone.pth and results.json in ``output_dir``.
     One process. Returns the results."""
-    start = time.perf_counter()
-    folder = data_folder(cfg.PRETRAIN.DATA)
-    size, area, image_format = cfg.PRETRAIN.IMAGE_SIZE, cfg.PRETRAIN.CROP_AREA, cfg.INPUT.FORMAT
-    train_images = ClassificationImages(folder, "train", size, area, image_format)
-    val_images = ClassificationImages(folder, "val", size, area, image_format)
+    began = time.perf_counter()
+    folder, train_images, val_images = _splits(cfg)
     model = BackboneClassifier(cfg, len(train_images.classes)).to(cfg.MODEL.DEVICE)
     saved = torch.load(evaluated_model, map_location=cfg.MODEL.DEVICE)
     model.load_state_dict(saved["model"])
@@ -345,7 +348,7 @@ def stop_at_evaluation(cfg: CfgNode, evaluated_model: str, output_dir: str) -> d
         average.update()
     val_top1 = top1(cfg, model, val_images)
     logger.info("Top-1 on the val split (%d images): %.2f %%", len(val_images), val_top1)
-    results = _results(cfg, folder, train_images, val_top1, saved["iterations"], time.perf_counter() - start)
+    results = _results(cfg, folder, train_images, val_top1, saved["iterations"], time.perf_counter() - began)
     _write_outputs(model, results, output_dir)
     return results
 
