@@ -316,9 +316,10 @@ def print_plan(runs: Sequence[RunSpec], pretraining: dict[tuple[str, int], CfgNo
             norm, steps = pretrained_norm(config), trained_iterations(config)
             same_run = same_run_stop(config)
             if same_run is not None:
-                where = f"after {same_run[1]} iterations" if same_run[1] else "at its end"
+                how = (f"top-1 {config.PRETRAIN.STOP_TOP1:g} % first reached after {same_run[1]} iterations"
+                       if same_run[1] else f"top-1 {config.PRETRAIN.STOP_TOP1:g} % not reached before its end: a copy")  # fmt: skip
                 print(f"  {norm}, SEED {config.SEED}: made without training from the cached run it cuts short "
-                      f"(top-1 {config.PRETRAIN.STOP_TOP1:g} % first reached {where}): {same_run[0]}", flush=True)  # fmt: skip
+                      f"({how}): {same_run[0]}", flush=True)  # fmt: skip
                 continue
             done = checkpointed_iterations(os.path.join(backbone_job_folder(output_dir, config), WORK_FOLDER))
             per_iter, count = cached_seconds_per_iteration(config)

@@ -85,8 +85,8 @@ from .. import model_zoo
 from ..d2 import valid_norm_names
 from ..pretraining.model import PRETRAINED_AS
 from ..pretraining.train import (
-    LOG_PERIOD, METRICS_FILE, RESULTS_FILE, cached_backbone, cached_backbone_folder, cached_backbone_path,
-    is_cached, same_run_stop, top1_curve, trained_iterations,
+    LOG_PERIOD, METRICS_FILE, RESULTS_FILE, cached_backbone_folder, cached_backbone_path, is_cached,
+    same_run_stop, top1_curve, trained_iterations,
 )  # fmt: skip
 from .compare_norms import DEFAULT_SEEDS, backbone_configs, config_label, override_list, with_pretrain_overrides
 from .jobs import (
@@ -757,9 +757,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         failed += run(todo) if todo else []
         equal = plan_equal()  # the norms the grid has just settled too
         if equal is not None:
-            for cell in equal[0].values():  # made from its grid cell's run, here: nothing to train
-                if not is_cached(configs[cell]) and same_run_stop(configs[cell]) is not None:
-                    cached_backbone(configs[cell])
             done = collect(list(equal[0].values()))
             failed += run([cell for cell in equal[0].values() if cell not in done])
     best = write()

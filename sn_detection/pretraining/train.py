@@ -248,7 +248,7 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
     checkpointer = CheckedCheckpointer(ddp, output_dir, trainer=trainer)
     schedule = build_schedule(cfg, optimizer)
     main_process = comm.is_main_process()
-    keep_in = os.path.join(output_dir, EVALUATED_FOLDER) if cfg.PRETRAIN.KEEP_EVALUATED_MODELS and main_process else None
+    keep_in = os.path.join(output_dir, EVALUATED_FOLDER) if keeps_evaluated_models(cfg) and main_process else None
     evaluation = Evaluation(cfg, ddp, val_images, keep_in)
     batches = cfg.PRETRAIN.BATCH_AVERAGE_BATCHES
     average = batch_average_hook(ddp, lambda start: train_loader(cfg, train_images, cfg.PRETRAIN.MAX_ITER + start),
@@ -302,6 +302,8 @@ def _results(cfg: CfgNode, data: str, images: ClassificationImages, val_top1: fl
         "schedule_iterations": cfg.PRETRAIN.MAX_ITER,
         "ims_per_batch": cfg.PRETRAIN.IMS_PER_BATCH,
         "processes": comm.get_world_size(),
+        "threads": torch.get_num_threads(),  # on the CPU a run repeats bit for bit only at the same count
+        "device": cfg.MODEL.DEVICE,
         "train_seconds": round(seconds, 1),
         "input_convention": input_convention(cfg)._asdict(),
     }
@@ -316,9 +318,16 @@ def _write_outputs(model: BackboneClassifier, results: dict, output_dir: str) ->
         json.dump(results, f, indent=2)
 
 
+def keeps_evaluated_models(cfg: CfgNode) -> bool:
+    """Whether a run of ``cfg`` keeps its model at each periodic evaluation: with
+    PRETRAIN.KEEP_EVALUATED_MODELS, unless it stops at a top-1 itself (nothing is made from such a run)."""
+    return cfg.PRETRAIN.KEEP_EVALUATED_MODELS and not cfg.PRETRAIN.STOP_TOP1
+
+
 def save_evaluated_model(model: torch.nn.Module, folder: str, iterations: int) -> None:
     """The classifier's state (weights and moving averages) after ``iterations``, as ``stop_at_evaluation``
-    reads it: written whole or not at all (a run killed while writing it writes it again when resumed)."""
+    reads it: written whole or not at all (a run killed while writing it writes it again when resumed with
+    the same settings; ``cached_backbone`` leaves out a partial file)."""
     os.makedirs(folder, exist_ok=True)
     path = evaluated_model_path(folder, iterations)
     module = model.module if isinstance(model, DistributedDataParallel) else model
@@ -330,11 +339,21 @@ def evaluated_model_path(folder: str, iterations: int) -> str:
     return os.path.join(folder, f"model_after_{iterations:07d}.pth")
 
 
-def stop_at_evaluation(cfg: CfgNode, evaluated_model: str, output_dir: str) -> dict:
+def stop_at_evaluation(cfg: CfgNode, evaluated_model: str, output_dir: str, threads: int) -> dict:
     """What ``pretrain(cfg)`` ends with where PRETRAIN.STOP_TOP1 stopped it, made from the model saved at
     that evaluation by the same run without the stop (PRETRAIN.KEEP_EVALUATED_MODELS): the batch average
     and the final evaluation, as in ``pretrain``, and its backbone.pth and results.json in ``output_dir``.
-    One process. Returns the results."""
+    One process, on ``threads`` intra-op threads (those the run trained on: on the CPU the batch average
+    sums alike only at the same count). Returns the results."""
+    own_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _stop_at_evaluation(cfg, evaluated_model, output_dir)
+    finally:
+        torch.set_num_threads(own_threads)
+
+
+def _stop_at_evaluation(cfg: CfgNode, evaluated_model: str, output_dir: str) -> dict:
     began = time.perf_counter()
     folder, train_images, val_images = _splits(cfg)
     model = BackboneClassifier(cfg, len(train_images.classes)).to(cfg.MODEL.DEVICE)
@@ -443,7 +462,8 @@ def same_run_stop(cfg: CfgNode) -> tuple[str, int | None] | None:
     first reached X there, or None where it never did before its end, so that ``cfg`` trains that same
     run to the same end). None where that is not known, or where the run reached X at an evaluation whose
     model it did not keep (PRETRAIN.KEEP_EVALUATED_MODELS), or where the run was trained by several
-    processes (``stop_at_evaluation`` is one): then ``cfg`` must be trained."""
+    processes (``stop_at_evaluation`` is one) or on another device than cfg's MODEL.DEVICE: then ``cfg``
+    must be trained."""
     target, period = cfg.PRETRAIN.STOP_TOP1, cfg.PRETRAIN.EVAL_PERIOD
     if not target:
         return None
@@ -454,21 +474,25 @@ def same_run_stop(cfg: CfgNode) -> tuple[str, int | None] | None:
         return None
     source, end = cached_backbone_folder(source_cfg), trained_iterations(source_cfg)
     with open(os.path.join(source, RESULTS_FILE)) as f:
-        if json.load(f)["processes"] != 1:  # its batch average was over each process's share of a batch
-            return None
+        results = json.load(f)
+    if results["processes"] != 1:  # its batch average was over each process's share of a batch
+        return None
     curve = dict(top1_curve(os.path.join(source, METRICS_FILE), end))
     for done in range(period, end, period):
         if done not in curve:
             return None
         if curve[done] >= target:
-            return (source, done) if os.path.isfile(evaluated_model_path(os.path.join(source, EVALUATED_FOLDER), done)) else None
+            kept = os.path.isfile(evaluated_model_path(os.path.join(source, EVALUATED_FOLDER), done))
+            made_alike = results.get("device") == cfg.MODEL.DEVICE and "threads" in results
+            return (source, done) if kept and made_alike else None
     return source, None
 
 
 def _from_same_run(cfg: CfgNode, source: str, stop: int | None, folder: str) -> None:
     """Make ``cfg``'s cache entry in ``folder`` from ``same_run_stop``'s run in ``source``: a copy where it
-    did not stop, else ``stop_at_evaluation`` of its model after ``stop`` iterations, with its metrics.json
-    up to there. results.json says whose run it is (``same_run_as``)."""
+    did not stop, else ``stop_at_evaluation`` of its model after ``stop`` iterations, on its threads, with
+    its metrics.json rows up to there (the trained stopped run's top-1 curve). results.json says whose run
+    it is (``same_run_as``)."""
     with open(os.path.join(source, METRICS_FILE)) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     if stop is None:
@@ -478,7 +502,10 @@ def _from_same_run(cfg: CfgNode, source: str, stop: int | None, folder: str) -> 
         results.update(stop_top1=cfg.PRETRAIN.STOP_TOP1, stop_top1_reached=False)
     else:  # the periodic rows up to the stop, then the final evaluation's, where ``pretrain`` logs it
         rows = [row for row in rows if row["iteration"] < stop]
-        results = stop_at_evaluation(cfg, evaluated_model_path(os.path.join(source, EVALUATED_FOLDER), stop), folder)
+        with open(os.path.join(source, RESULTS_FILE)) as f:
+            threads = json.load(f)["threads"]
+        results = stop_at_evaluation(cfg, evaluated_model_path(os.path.join(source, EVALUATED_FOLDER), stop), folder,
+                                     threads)  # fmt: skip
         rows.append({"iteration": stop, "val_top1": results["val_top1"]})
     results["same_run_as"] = source
     with open(os.path.join(folder, RESULTS_FILE), "w") as f:
@@ -510,9 +537,14 @@ def cached_backbone(cfg: CfgNode, work_dir: str | None = None) -> str:
             return
         work = work_dir or os.path.join(target, "training")
         pretrain(cfg, resume=work_dir is not None, output_dir=work)
-        for kept in (BACKBONE_FILE, RESULTS_FILE, METRICS_FILE, EVALUATED_FOLDER):
-            if os.path.exists(os.path.join(work, kept)):
-                shutil.move(os.path.join(work, kept), os.path.join(target, kept))
+        for kept in (BACKBONE_FILE, RESULTS_FILE, METRICS_FILE):
+            shutil.move(os.path.join(work, kept), os.path.join(target, kept))
+        evaluated = os.path.join(work, EVALUATED_FOLDER)
+        if keeps_evaluated_models(cfg) and os.path.isdir(evaluated):  # whole files only (save_evaluated_model)
+            os.makedirs(os.path.join(target, EVALUATED_FOLDER))
+            for name in os.listdir(evaluated):
+                if name.endswith(".pth"):
+                    shutil.move(os.path.join(evaluated, name), os.path.join(target, EVALUATED_FOLDER, name))
         if work_dir is None:
             shutil.rmtree(work)
 

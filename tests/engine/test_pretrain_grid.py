@@ -337,9 +337,10 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
         equal = json.loads((output / "equal_top1.json").read_text())
         return capsys.readouterr().out, (output / "results.md").read_text(), equal
 
-    # reached only at the end: a copy of the best cell's backbone, nothing trains
+    # reached only at the end: its job copies the best cell's backbone, nothing trains
     printed, table, equal = grid(35)
-    assert calls == [] and "Trained to 35 % (--equal-top1): 1 norm(s) with all cells done, 1 to run" in printed
+    assert "Trained to 35 % (--equal-top1): 1 norm(s) with all cells done, 1 to run" in printed
+    assert "0 for one made from the grid cell's run" in printed and len(calls) == 1
     assert equal == {"GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_TOP1": 35.0, "PRETRAIN.EVAL_PERIOD": 20}}
     # best.json: a draw of the best setting is evaluated as the cell was
     assert json.loads((output / "best.json").read_text()) == {"GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.EVAL_PERIOD": 20}}
@@ -348,6 +349,7 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     with open(os.path.join(copy, "results.json")) as f:
         assert json.load(f)["same_run_as"] == cached_backbone_folder(cell_cfg(cfg, grid_cell))
     assert "0 to run" in grid(35)[0]
+    calls.clear()
 
     # reached after 20 iterations: the same run stopped there by its top-1, in a cell of its own
     printed, table, equal = grid(25)
@@ -364,7 +366,7 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     assert "0 to run" in grid(25)[0] and calls == []
 
     # a grid cell that kept its models (PRETRAIN.KEEP_EVALUATED_MODELS): an equal cell that stops after 20
-    # iterations is made from the model kept there, in the grid's process; nothing trains
+    # iterations is made by its job from the model kept there; nothing trains
     shutil.rmtree(cached_backbone_folder(cell_cfg(cfg, grid_cell)))
     keep = ("PRETRAIN.KEEP_EVALUATED_MODELS", "True")
     with monkeypatch.context() as patch:
@@ -380,7 +382,9 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
             f"20 iterations): {cached_backbone_folder(cell_cfg(cfg, grid_cell))}") in capsys.readouterr().out
     calls.clear()
     printed, table, equal = grid(28, *keep)
-    assert calls == [] and "0 for one made from the grid cell's run" in printed
+    assert "0 for one made from the grid cell's run" in printed
+    assert [command[command.index("--work-dir") + 1] for command in calls] == [
+        str(output / "cells" / "GN-lr0.1-top1-28.0-eval20" / "training")]  # fmt: skip
     made = cached_backbone_folder(cell_cfg(cfg, Cell("GN", tuple(equal["GN"].items()))))
     with open(os.path.join(made, "results.json")) as f:
         results = json.load(f)

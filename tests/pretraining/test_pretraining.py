@@ -247,13 +247,17 @@ def test_a_run_stopped_at_a_top1_is_made_from_the_model_its_whole_run_kept_there
         return tiny_cfg(tiny_classification_set, tmp_path / "out", *run, *opts)
 
     scripted_top1(monkeypatch, 40.0, 60.0, 70.0)  # after 20 and 40 iterations, then after 41
-    source = os.path.dirname(cached_backbone(cfg("PRETRAIN.KEEP_EVALUATED_MODELS", True)))
+    stale = tmp_path / "work" / "evaluated" / "model_after_0000060.pth.tmp"  # a partial write of another attempt
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"partial")
+    source = os.path.dirname(cached_backbone(cfg("PRETRAIN.KEEP_EVALUATED_MODELS", True), work_dir=str(tmp_path / "work")))
     kept = sorted(os.listdir(os.path.join(source, "evaluated")))
     assert kept == ["model_after_0000020.pth", "model_after_0000040.pth"]
     assert pretraining_train.is_cached(cfg())  # the same backbone, whether its models were kept or not
 
     stop = cfg("PRETRAIN.STOP_TOP1", 50.0)
     assert pretraining_train.same_run_stop(stop) == (source, 40)
+    assert pretraining_train.same_run_stop(cfg("PRETRAIN.STOP_TOP1", 50.0, "MODEL.DEVICE", "cuda")) is None
     steps = []
 
     class RecordingTrainer(trainers.SimpleTrainer):
@@ -264,15 +268,21 @@ def test_a_run_stopped_at_a_top1_is_made_from_the_model_its_whole_run_kept_there
     calls = scripted_top1(monkeypatch, 80.0)
     with monkeypatch.context() as patch:
         patch.setattr(trainers, "SimpleTrainer", RecordingTrainer)
+        torch.set_num_threads(2)  # the batch average runs on the source's thread count, then this one is back
         made = os.path.dirname(cached_backbone(stop))
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)
     assert steps == [] and calls == [80.0]  # the final evaluation only
     with open(os.path.join(made, RESULTS_FILE)) as f:
         results = json.load(f)
-    assert results["same_run_as"] == source and not os.path.exists(os.path.join(made, "evaluated"))
+    assert results["same_run_as"] == source and results["threads"] == 1
+    assert not os.path.exists(os.path.join(made, "evaluated"))
 
     scripted_top1(monkeypatch, 40.0, 60.0, 80.0)
-    trained = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "trained", *run, "PRETRAIN.STOP_TOP1", 50.0))
+    trained = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "trained", *run, "PRETRAIN.STOP_TOP1", 50.0,
+                                "PRETRAIN.KEEP_EVALUATED_MODELS", True))  # fmt: skip
     assert trained["iterations"] == 40 and trained["stop_top1_reached"]
+    assert not (tmp_path / "trained" / "evaluated").exists()  # a stopped run is no source: it keeps nothing
     ignored = ("train_seconds", "same_run_as")
     assert {k: v for k, v in results.items() if k not in ignored} == {
         k: v for k, v in json.loads(json.dumps(trained)).items() if k not in ignored}  # fmt: skip
