@@ -484,8 +484,10 @@ def equal_markdown(target: float, equal: dict[str, Cell], not_reached: Sequence[
         f"Each norm's best setting trained again with PRETRAIN.STOP_TOP1 {target:g}: it stops at the first "
         f"evaluation (with the moving averages) at which val top-1 reached {target:g} %, where its grid cell, the "
         "same run, first did; then it is batch-averaged and evaluated as every cell is. Where the grid cell "
-        f"reached {target:g} % only at its end, its backbone is copied: the same run would end alike. "
-        "`equal_top1.json` holds these settings for `tools/compare_norms.py --finetune --backbones`.", "",
+        f"reached {target:g} % only at its end, its backbone is copied: the same run would end alike; where the "
+        "cell kept its model at the evaluation that first reached it (PRETRAIN.KEEP_EVALUATED_MODELS), that "
+        "model is batch-averaged and evaluated, without training. `equal_top1.json` holds these settings for "
+        "`tools/compare_norms.py --finetune --backbones`.", "",
         f"| norm | setting | iterations to {target:g} % | top-1 there (grid cell) | val top-1 | wall |",
         "|---|---|---|---|---|---|",
     ]  # fmt: skip
