@@ -322,6 +322,9 @@ def equal_top1_cells(cells: Sequence[Cell], results: dict, target: float,
     return equal, not_reached
 
 
+# -- the estimate ------------------------------------------------------------------------------------
+
+
 def measured_step_seconds(cfg: CfgNode, steps: int, threads: int) -> float:
     """The median of ``steps`` pretraining steps of ``cfg`` (after one untimed) on a random batch at
     ``threads`` intra-op threads: the trainer, network and optimizer of pretraining, without its data."""

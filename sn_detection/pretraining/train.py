@@ -163,8 +163,8 @@ class Evaluation(HookBase):
     ``before_step`` ends the loop. A run resumed from that checkpoint ends at once, as the uninterrupted
     one did; one killed before it repeats the evaluation. The final evaluation (``after_train``, after the
     batch average) is skipped only when training failed, as in detectron2's EvalHook. With ``keep_in`` (the
-    main process's, under PRETRAIN.KEEP_EVALUATED_MODELS) the model is saved there at each periodic
-    evaluation (``save_evaluated_model``)."""
+    main process's output folder, under PRETRAIN.KEEP_EVALUATED_MODELS) the model is saved into it at each
+    periodic evaluation (``save_evaluated_model``)."""
 
     def __init__(self, cfg, model, images, keep_in: str | None = None):
         self._period, self._target = cfg.PRETRAIN.EVAL_PERIOD, cfg.PRETRAIN.STOP_TOP1
@@ -248,7 +248,7 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
     checkpointer = CheckedCheckpointer(ddp, output_dir, trainer=trainer)
     schedule = build_schedule(cfg, optimizer)
     main_process = comm.is_main_process()
-    keep_in = os.path.join(output_dir, EVALUATED_FOLDER) if keeps_evaluated_models(cfg) and main_process else None
+    keep_in = output_dir if keeps_evaluated_models(cfg) and main_process else None
     evaluation = Evaluation(cfg, ddp, val_images, keep_in)
     batches = cfg.PRETRAIN.BATCH_AVERAGE_BATCHES
     average = batch_average_hook(ddp, lambda start: train_loader(cfg, train_images, cfg.PRETRAIN.MAX_ITER + start),
@@ -274,8 +274,8 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
     logger.info(
         "Pretraining %s-%d with %s norms on %d images of %d classes (%s), %d px, %d per batch, iterations %d-%d, "
         "of a %d-iteration schedule, on %s", "ResNet", cfg.MODEL.RESNETS.DEPTH, pretrained_norm(cfg),
-        len(train_images), len(train_images.classes), folder, cfg.PRETRAIN.IMAGE_SIZE, cfg.PRETRAIN.IMS_PER_BATCH, start_iter,
-        stop_iter, cfg.PRETRAIN.MAX_ITER, cfg.MODEL.DEVICE,
+        len(train_images), len(train_images.classes), folder, cfg.PRETRAIN.IMAGE_SIZE, cfg.PRETRAIN.IMS_PER_BATCH,
+        start_iter, stop_iter, cfg.PRETRAIN.MAX_ITER, cfg.MODEL.DEVICE,
     )  # fmt: skip
     start = time.perf_counter()
     try:
@@ -290,8 +290,8 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
 
 def _results(cfg: CfgNode, data: str, images: ClassificationImages, val_top1: float, reached_at: int | None,
              seconds: float) -> dict:  # fmt: skip
-    """results.json of a run of ``cfg`` on ``images`` (in the folder ``data``) that reached PRETRAIN.STOP_TOP1 after ``reached_at``
-    iterations (None: trained its whole schedule)."""
+    """results.json of a run of ``cfg`` on ``images`` (in the folder ``data``) that reached PRETRAIN.STOP_TOP1
+    after ``reached_at`` iterations (None: trained its whole schedule)."""
     results = {
         "val_top1": val_top1,
         "classes": len(images.classes),
@@ -324,19 +324,20 @@ def keeps_evaluated_models(cfg: CfgNode) -> bool:
     return cfg.PRETRAIN.KEEP_EVALUATED_MODELS and not cfg.PRETRAIN.STOP_TOP1
 
 
-def save_evaluated_model(model: torch.nn.Module, folder: str, iterations: int) -> None:
+def save_evaluated_model(model: torch.nn.Module, run_folder: str, iterations: int) -> None:
     """The classifier's state (weights and moving averages) after ``iterations``, as ``stop_at_evaluation``
     reads it: written whole or not at all (a run killed while writing it writes it again when resumed with
     the same settings; ``cached_backbone`` leaves out a partial file)."""
-    os.makedirs(folder, exist_ok=True)
-    path = evaluated_model_path(folder, iterations)
+    path = evaluated_model_path(run_folder, iterations)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     module = model.module if isinstance(model, DistributedDataParallel) else model
     torch.save({"model": module.state_dict(), "iterations": iterations}, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
-def evaluated_model_path(folder: str, iterations: int) -> str:
-    return os.path.join(folder, f"model_after_{iterations:07d}.pth")
+def evaluated_model_path(run_folder: str, iterations: int) -> str:
+    """Where a run's output or cache folder keeps its model after ``iterations`` (``save_evaluated_model``)."""
+    return os.path.join(run_folder, EVALUATED_FOLDER, f"model_after_{iterations:07d}.pth")
 
 
 def stop_at_evaluation(cfg: CfgNode, evaluated_model: str, output_dir: str, threads: int) -> dict:
@@ -482,7 +483,7 @@ def same_run_stop(cfg: CfgNode) -> tuple[str, int | None] | None:
         if done not in curve:
             return None
         if curve[done] >= target:
-            kept = os.path.isfile(evaluated_model_path(os.path.join(source, EVALUATED_FOLDER), done))
+            kept = os.path.isfile(evaluated_model_path(source, done))
             made_alike = results.get("device") == cfg.MODEL.DEVICE and "threads" in results
             return (source, done) if kept and made_alike else None
     return source, None
@@ -495,17 +496,14 @@ def _from_same_run(cfg: CfgNode, source: str, stop: int | None, folder: str) -> 
     it is (``same_run_as``)."""
     with open(os.path.join(source, METRICS_FILE)) as f:
         rows = [json.loads(line) for line in f if line.strip()]
+    with open(os.path.join(source, RESULTS_FILE)) as f:
+        source_results = json.load(f)
     if stop is None:
         shutil.copy2(os.path.join(source, BACKBONE_FILE), os.path.join(folder, BACKBONE_FILE))
-        with open(os.path.join(source, RESULTS_FILE)) as f:
-            results = json.load(f)
-        results.update(stop_top1=cfg.PRETRAIN.STOP_TOP1, stop_top1_reached=False)
+        results = dict(source_results, stop_top1=cfg.PRETRAIN.STOP_TOP1, stop_top1_reached=False)
     else:  # the periodic rows up to the stop, then the final evaluation's, where ``pretrain`` logs it
         rows = [row for row in rows if row["iteration"] < stop]
-        with open(os.path.join(source, RESULTS_FILE)) as f:
-            threads = json.load(f)["threads"]
-        results = stop_at_evaluation(cfg, evaluated_model_path(os.path.join(source, EVALUATED_FOLDER), stop), folder,
-                                     threads)  # fmt: skip
+        results = stop_at_evaluation(cfg, evaluated_model_path(source, stop), folder, source_results["threads"])
         rows.append({"iteration": stop, "val_top1": results["val_top1"]})
     results["same_run_as"] = source
     with open(os.path.join(folder, RESULTS_FILE), "w") as f:
