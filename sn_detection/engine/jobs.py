@@ -98,7 +98,7 @@ def read_json(path: str):
 
 def write_json(path: str, value) -> None:
     """Write ``value`` atomically, so that an interrupted tool never leaves half a file."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(value, f, indent=2)
     os.replace(path + ".tmp", path)

@@ -59,10 +59,14 @@ cell). FrozenBN is pretrained as BN (``pretrained_norm``), so it is the BN cell.
   the backbone: a draw of the setting is evaluated, and keeps its models, as the cell was, so that its
   equal-top-1 draw is made from it);
   ``tools/compare_norms.py --finetune --backbones best.json`` finetunes each setting from its backbone
-  norm's best backbone (FrozenBN from BN's). ``--publish FILE`` also writes the markdown. With
-  ``--equal-top1``, ``equal_top1.json`` (the same form, each norm's best setting with PRETRAIN.STOP_TOP1
-  and the PRETRAIN.EVAL_PERIOD it is checked at) and the equal-top-1 table under the grid's, with a table
-  of its draws where the cache has them.
+  norm's best backbone (FrozenBN from BN's). With ``--equal-top1``, ``equal_top1.json`` (the same form,
+  each norm's best setting with PRETRAIN.STOP_TOP1 and the PRETRAIN.EVAL_PERIOD it is checked at) and the
+  equal-top-1 table under the grid's, with a table of its draws where the cache has them.
+- **Published** (``--publish FILE``): the markdown, and beside it the settings files, ``FILE`` with
+  ``.best.json`` and ``.equal_top1.json`` for its ``.md`` (``published_settings``): the grid's choice
+  is then part of the repository, so that a finetune sweep on a machine whose cache and OUTPUT_DIR are
+  empty pretrains the same backbones (``--backbones model_zoo/sections/1_pretrain_grid.best.json``)
+  without running the grid again.
 """
 
 from __future__ import annotations
@@ -115,6 +119,14 @@ DEFAULT_OUTPUT_DIR = os.path.join("output", "pretrain_grid")
 DEFAULT_ESTIMATE_STEPS = 3
 TABLE_FILE, CSV_FILE, JSON_FILE, BEST_FILE = "results.md", "results.csv", "results.json", "best.json"
 EQUAL_FILE = "equal_top1.json"
+
+
+def published_settings(publish: str) -> dict[str, str]:
+    """The settings files written beside a published table ``publish`` (``--publish``): {output file name
+    (BEST_FILE, EQUAL_FILE): its published path}, ``publish`` with ``.best.json`` or ``.equal_top1.json``
+    for its extension."""
+    stem = os.path.splitext(publish)[0]
+    return {name: f"{stem}.{name}" for name in (BEST_FILE, EQUAL_FILE)}
 NOT_REACHED = "not reached"
 CSV_COLUMNS = ("norm", "setting", "best", "val_top1", "iterations", "wall_s", "s_per_iter", "iterations_to_target")
 
@@ -400,7 +412,7 @@ def describe(cfg: CfgNode, config_file: str, cells: Sequence[Cell], target: Opti
         f"ResNet-{cfg.MODEL.RESNETS.DEPTH} of `{config_label(config_file)}` pretrained with each norm on "
         f"`{cfg.PRETRAIN.DATA}` ({cfg.PRETRAIN.IMAGE_SIZE} px, batch {cfg.PRETRAIN.IMS_PER_BATCH}), "
         f"{cfg.PRETRAIN.MAX_ITER} iterations in every cell, the config's PRETRAIN recipe with {varied} varied. "
-        f"Top-1 on the val split {statistics_text}; in bold each norm's best setting (`best.json`, "
+        f"Top-1 on the val split {statistics_text}; in bold each norm's best setting (`best.json`, published beside this table, "
         "which `tools/compare_norms.py --finetune --backbones` reads). Wall time: the grid's attempts at the "
         f"cell together, on {os.cpu_count()} CPU cores, noisy where other work shared the machine. Each cell "
         f"is one run (SEED {cfg.SEED}): another draw of it (another SEED, thread count or CPU) can land points "
@@ -489,8 +501,8 @@ def equal_markdown(target: float, equal: dict[str, Cell], not_reached: Sequence[
         "same run, first did; then it is batch-averaged and evaluated as every cell is. Where the grid cell "
         f"reached {target:g} % only at its end, its backbone is copied: the same run would end alike; where the "
         "cell kept its model at the evaluation that first reached it (PRETRAIN.KEEP_EVALUATED_MODELS), that "
-        "model is batch-averaged and evaluated, without training. `equal_top1.json` holds these settings for "
-        "`tools/compare_norms.py --finetune --backbones`.", "",
+        "model is batch-averaged and evaluated, without training. `equal_top1.json` (published beside this "
+        "table) holds these settings for `tools/compare_norms.py --finetune --backbones`.", "",
         f"| norm | setting | iterations to {target:g} % | top-1 there (grid cell) | val top-1 | wall |",
         "|---|---|---|---|---|---|",
     ]  # fmt: skip
@@ -584,11 +596,14 @@ def write_outputs(output_dir, description, cells, results, target, publish=None,
             text += "\n" + equal_draws_markdown(target, drawn_equal, settled, equal_seed)
         equal_overrides = {norm: dict(cell.overrides) for norm, cell in equal[0].items()}
         write_json(os.path.join(output_dir, EQUAL_FILE), equal_overrides)
+        if publish:
+            write_json(published_settings(publish)[EQUAL_FILE], equal_overrides)
     with open(os.path.join(output_dir, TABLE_FILE), "w") as f:
         f.write(text)
     if publish:
         with open(publish, "w") as f:
             f.write(text)
+        write_json(published_settings(publish)[BEST_FILE], best_overrides)
     with open(os.path.join(output_dir, CSV_FILE), "w", newline="") as f:
         writer = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
@@ -636,7 +651,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="steps measured per norm without a finished cell for the estimate; 0: none "
                         "(default: %(default)s)")  # fmt: skip
     parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help="default: %(default)s")
-    parser.add_argument("--publish", metavar="FILE", type=output_file, help="also write the markdown table here")
+    parser.add_argument("--publish", metavar="FILE", type=output_file,
+                        help="also write the markdown table here, and beside it best.json (and equal_top1.json) as "
+                        "FILE's name with .best.json (.equal_top1.json) for .md")  # fmt: skip
     parser.add_argument("--plan-only", action="store_true", help="print the plan and the estimate, run nothing")
     parser.add_argument("--report-only", action="store_true", help="only write the outputs of the done cells")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides for every cell")

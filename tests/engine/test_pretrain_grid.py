@@ -139,6 +139,9 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
 
     table = (output / "results.md").read_text()
     assert published.read_text() == table and "| norm | LR 0.1 | LR 0.2 |" in table
+    # without --equal-top1 only best.json is published beside the table
+    assert sorted(os.listdir(tmp_path)) == ["cache", "grid", "grid.best.json", "grid.md"]
+    assert json.loads((tmp_path / "grid.best.json").read_text()) == json.loads((output / "best.json").read_text())
     assert "Each cell is one run (SEED 1)" in table  # a reader is told what one draw per cell can and cannot show
     with open(output / "results.csv") as f:
         rows = list(csv.DictReader(f))
@@ -330,9 +333,10 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     monkeypatch.setattr(jobs.subprocess, "call", lambda command, **kw: calls.append(command) or call(command, **kw))
     output = tmp_path / "grid"
 
-    def grid(target, *more_opts):
+    def grid(target, *more_opts, publish=None):
         options = ["--norms", "GN", "--lrs", "0.1", "--target-top1", str(target), "--equal-top1", "--output-dir",
-                   str(output), "--estimate-steps", "0", *opts, *more_opts]  # fmt: skip
+                   str(output), "--estimate-steps", "0", *(["--publish", str(publish)] if publish else []), *opts,
+                   *more_opts]  # fmt: skip
         assert pretrain_grid.main(options) == 0
         equal = json.loads((output / "equal_top1.json").read_text())
         return capsys.readouterr().out, (output / "results.md").read_text(), equal
@@ -413,12 +417,18 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     assert "Trained to 40 % (--equal-top1): 2 norm(s) with all cells done, 2 to run" in printed
     assert "  BN-lr0.1-top1-40.0-eval20: to run" in printed and "  GN-lr0.1-top1-40.0-eval20: to run" in printed
 
-    # equal_top1.json feeds compare_norms --finetune --backbones as best.json does
-    grid(25)
+    # equal_top1.json feeds compare_norms --finetune --backbones as best.json does; published, both settings
+    # files lie beside the table, so that a sweep needs the repository only, not the grid's output
+    published = tmp_path / "zoo" / "1_grid.md"
+    published.parent.mkdir()
+    grid(25, publish=published)
+    assert sorted(os.listdir(published.parent)) == ["1_grid.best.json", "1_grid.equal_top1.json", "1_grid.md"]
+    for name in ("best.json", "equal_top1.json"):
+        assert json.loads((published.parent / f"1_grid.{name}").read_text()) == json.loads((output / name).read_text())
     planned = {}
     original = compare_norms.plan_runs
     monkeypatch.setattr(compare_norms, "plan_runs", lambda *a, **kw: planned.update(backbones=a[8]) or original(*a, **kw))
-    sweep = ["--finetune", "--backbones", str(output / "equal_top1.json"), "--settings", "GN", "--report-only",
+    sweep = ["--finetune", "--backbones", str(published.parent / "1_grid.equal_top1.json"), "--settings", "GN", "--report-only",
              "--output-dir", str(tmp_path / "sweep"), *opts]  # fmt: skip
     assert compare_norms.main(sweep) == 0
     assert planned["backbones"] == {("GN", seed): cached_backbone_path(stopped) for seed in compare_norms.DEFAULT_SEEDS}
@@ -439,3 +449,31 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
         "1": {"iterations": 20, "val_top1": 40.0, "reached": True},
         "2": {"iterations": 21, "val_top1": 27.0, "reached": True},  # at the end
         "3": {"iterations": 21, "val_top1": 24.0, "reached": False}}}  # fmt: skip
+
+
+def test_the_published_settings_files_are_the_published_grids_choice():
+    """model_zoo/sections/1_pretrain_grid.{best,equal_top1}.json, which sweeps on a machine without the grid's
+    output read, name each norm's setting in bold in the published grid, and the published equal-top-1 target."""
+    from sn_detection.model_zoo import SECTIONS_DIR
+
+    table_path = os.path.join(SECTIONS_DIR, "1_pretrain_grid.md")
+    settings = pretrain_grid.published_settings(table_path)
+    table = open(table_path).read()
+    with open(settings["best.json"]) as f:
+        best = json.load(f)
+    with open(settings["equal_top1.json"]) as f:
+        equal = json.load(f)
+    header = next(line for line in table.splitlines() if line.startswith("| norm | LR "))
+    lrs = [float(column.strip()[3:]) for column in header.strip("|").split("|")[1:]]
+    bold = {}
+    for line in table.splitlines():
+        columns = [column.strip() for column in line.strip("|").split("|")]
+        if len(columns) == len(lrs) + 1 and columns[0] in pretrain_grid.DEFAULT_NORMS:
+            (chosen,) = [lr for lr, column in zip(lrs, columns[1:]) if column.startswith("**")]
+            bold[columns[0]] = chosen
+    assert list(bold) == list(pretrain_grid.DEFAULT_NORMS) == list(best) == list(equal)
+    (target,) = re.findall(r"#### Trained to (\d+) %", table)
+    for norm, lr in bold.items():
+        assert best[norm] == {"PRETRAIN.BASE_LR": lr, "PRETRAIN.EVAL_PERIOD": 120, "PRETRAIN.KEEP_EVALUATED_MODELS": True}
+        assert equal[norm] == {"PRETRAIN.BASE_LR": lr, "PRETRAIN.STOP_TOP1": float(target), "PRETRAIN.EVAL_PERIOD": 120}
+    assert "PRETRAIN.EVAL_PERIOD 120" in table  # the period the files name is the grid's
