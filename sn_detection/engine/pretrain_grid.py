@@ -120,6 +120,9 @@ DEFAULT_ESTIMATE_STEPS = 3
 TABLE_FILE, CSV_FILE, JSON_FILE, BEST_FILE = "results.md", "results.csv", "results.json", "best.json"
 EQUAL_FILE = "equal_top1.json"
 
+NOT_REACHED = "not reached"
+CSV_COLUMNS = ("norm", "setting", "best", "val_top1", "iterations", "wall_s", "s_per_iter", "iterations_to_target")
+
 
 def published_settings(publish: str) -> dict[str, str]:
     """The settings files written beside a published table ``publish`` (``--publish``): {output file name
@@ -127,8 +130,6 @@ def published_settings(publish: str) -> dict[str, str]:
     for its extension."""
     stem = os.path.splitext(publish)[0]
     return {name: f"{stem}.{name}" for name in (BEST_FILE, EQUAL_FILE)}
-NOT_REACHED = "not reached"
-CSV_COLUMNS = ("norm", "setting", "best", "val_top1", "iterations", "wall_s", "s_per_iter", "iterations_to_target")
 
 
 @dataclass(frozen=True)
@@ -412,11 +413,11 @@ def describe(cfg: CfgNode, config_file: str, cells: Sequence[Cell], target: Opti
         f"ResNet-{cfg.MODEL.RESNETS.DEPTH} of `{config_label(config_file)}` pretrained with each norm on "
         f"`{cfg.PRETRAIN.DATA}` ({cfg.PRETRAIN.IMAGE_SIZE} px, batch {cfg.PRETRAIN.IMS_PER_BATCH}), "
         f"{cfg.PRETRAIN.MAX_ITER} iterations in every cell, the config's PRETRAIN recipe with {varied} varied. "
-        f"Top-1 on the val split {statistics_text}; in bold each norm's best setting (`best.json`, published beside this table, "
-        "which `tools/compare_norms.py --finetune --backbones` reads). Wall time: the grid's attempts at the "
-        f"cell together, on {os.cpu_count()} CPU cores, noisy where other work shared the machine. Each cell "
-        f"is one run (SEED {cfg.SEED}): another draw of it (another SEED, thread count or CPU) can land points "
-        "away, so where settings are that close the best is a choice, not a finding."
+        f"Top-1 on the val split {statistics_text}; in bold each norm's best setting (`best.json`, published "
+        "beside this table, which `tools/compare_norms.py --finetune --backbones` reads). Wall time: the grid's "
+        f"attempts at the cell together, on {os.cpu_count()} CPU cores, noisy where other work shared the machine. "
+        f"Each cell is one run (SEED {cfg.SEED}): another draw of it (another SEED, thread count or CPU) can land "
+        "points away, so where settings are that close the best is a choice, not a finding."
     )
     if target is not None:
         text += (
@@ -594,16 +595,18 @@ def write_outputs(output_dir, description, cells, results, target, publish=None,
         drawn_equal = equal_draws(equal[0]) if equal_draws else {}
         if drawn_equal:
             text += "\n" + equal_draws_markdown(target, drawn_equal, settled, equal_seed)
-        equal_overrides = {norm: dict(cell.overrides) for norm, cell in equal[0].items()}
-        write_json(os.path.join(output_dir, EQUAL_FILE), equal_overrides)
+    settings = {BEST_FILE: best_overrides}
+    if equal is not None:
+        settings[EQUAL_FILE] = {norm: dict(cell.overrides) for norm, cell in equal[0].items()}
+    for name, overrides in settings.items():
+        write_json(os.path.join(output_dir, name), overrides)
         if publish:
-            write_json(published_settings(publish)[EQUAL_FILE], equal_overrides)
+            write_json(published_settings(publish)[name], overrides)
     with open(os.path.join(output_dir, TABLE_FILE), "w") as f:
         f.write(text)
     if publish:
         with open(publish, "w") as f:
             f.write(text)
-        write_json(published_settings(publish)[BEST_FILE], best_overrides)
     with open(os.path.join(output_dir, CSV_FILE), "w", newline="") as f:
         writer = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
@@ -621,7 +624,6 @@ def write_outputs(output_dir, description, cells, results, target, publish=None,
                                                 "reached": reached_stop(r)}
                                     for seed, r in found.items()} for norm, found in drawn_equal.items()},
     })  # fmt: skip
-    write_json(os.path.join(output_dir, BEST_FILE), best_overrides)
     return best_overrides
 
 

@@ -428,8 +428,8 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     planned = {}
     original = compare_norms.plan_runs
     monkeypatch.setattr(compare_norms, "plan_runs", lambda *a, **kw: planned.update(backbones=a[8]) or original(*a, **kw))
-    sweep = ["--finetune", "--backbones", str(published.parent / "1_grid.equal_top1.json"), "--settings", "GN", "--report-only",
-             "--output-dir", str(tmp_path / "sweep"), *opts]  # fmt: skip
+    sweep = ["--finetune", "--backbones", str(published.parent / "1_grid.equal_top1.json"), "--settings", "GN",
+             "--report-only", "--output-dir", str(tmp_path / "sweep"), *opts]  # fmt: skip
     assert compare_norms.main(sweep) == 0
     assert planned["backbones"] == {("GN", seed): cached_backbone_path(stopped) for seed in compare_norms.DEFAULT_SEEDS}
 
@@ -474,6 +474,7 @@ def test_the_published_settings_files_are_the_published_grids_choice():
     assert list(bold) == list(pretrain_grid.DEFAULT_NORMS) == list(best) == list(equal)
     (target,) = re.findall(r"#### Trained to (\d+) %", table)
     for norm, lr in bold.items():
-        assert best[norm] == {"PRETRAIN.BASE_LR": lr, "PRETRAIN.EVAL_PERIOD": 120, "PRETRAIN.KEEP_EVALUATED_MODELS": True}
+        periodic = {"PRETRAIN.EVAL_PERIOD": 120, "PRETRAIN.KEEP_EVALUATED_MODELS": True}
+        assert best[norm] == {"PRETRAIN.BASE_LR": lr, **periodic}
         assert equal[norm] == {"PRETRAIN.BASE_LR": lr, "PRETRAIN.STOP_TOP1": float(target), "PRETRAIN.EVAL_PERIOD": 120}
     assert "PRETRAIN.EVAL_PERIOD 120" in table  # the period the files name is the grid's
