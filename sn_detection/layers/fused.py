@@ -6,10 +6,10 @@ statistics) as separate tensor operations and differentiates them with autograd:
 forward and backward, each a kernel launch on a GPU, which costs host time whatever it computes. Here a
 layer with closed forms (``FusedStatistics``) runs as
 
-    forward:   moments(x) -> [mean, var] -> one step: scale, shift (and the running statistics)
-               -> scale_shift(x)
+    forward:   moments_and_residual(x) -> [mean, var] -> one step: scale, shift (and the running
+               statistics) -> scale_shift(x)
     backward:  centered_dot_and_sum(grad_y, x) -> [D, S] -> one step: p, q and every parameter's
-               gradient -> grad_input(grad_y, x)
+               gradient -> grad_input(grad_y, x) at the exact mean, mean + residual (``passes``)
 
 where D = sum_HW grad_y (x - mean) and S = sum_HW grad_y per (n, c), and the closed forms are the
 derivatives of the layer's small (N, C) graph, written out by hand for each layer (its kernel module,
@@ -80,15 +80,15 @@ class _FusedNormalize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, kernels: FusedStatistics, replay, *parameters: Tensor):
         over = kernels.passes  # the passes of this call, forward and backward
-        mean, var = over.moments(x)
+        mean, var, residual = over.moments_and_residual(x)
         scale, shift, saved = kernels.forward(mean, var)
-        ctx.save_for_backward(x, mean, var, *saved, *parameters)
+        ctx.save_for_backward(x, mean, var, residual, *saved, *parameters)
         ctx.kernels, ctx.replay, ctx.num_saved, ctx.passes = kernels, replay, len(saved), over
         return over.scale_shift(x, scale, shift, mean)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        x, mean, var, *rest = ctx.saved_tensors
+        x, mean, var, residual, *rest = ctx.saved_tensors
         saved, parameters = rest[: ctx.num_saved], rest[ctx.num_saved :]
         needs_x, needs_parameters = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
         if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
@@ -96,7 +96,7 @@ class _FusedNormalize(torch.autograd.Function):
             return (grad_x, None, None, *grad_parameters)
         dot, total = ctx.passes.centered_dot_and_sum(grad_y, x, mean)
         scale, p, q, grad_parameters = ctx.kernels.backward(mean, var, saved, parameters, dot, total)
-        grad_x = ctx.passes.grad_input(grad_y, x, scale, p, q, mean) if needs_x else None
+        grad_x = ctx.passes.grad_input(grad_y, x, scale, p, q, mean, residual) if needs_x else None
         return (grad_x, None, None, *(g if needed else None for g, needed in zip(grad_parameters, needs_parameters)))
 
 

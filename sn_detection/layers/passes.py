@@ -5,7 +5,13 @@ its PyTorch implementation and, for CUDA tensors when Triton is importable, a Tr
 - ``moments(x)``: the IN mean and biased variance of every (n, c) map;
 - ``scale_shift(x, scale, shift, center)``: (x - center) * scale + shift per map;
 - ``centered_dot_and_sum(grad_y, x, center)``: sum(grad_y * (x - center)) and sum(grad_y) per map;
-- ``grad_input(grad_y, x, scale, p, q, center)``: grad_y * scale + (x - center) * p + q.
+- ``grad_input(grad_y, x, scale, p, q, center[, residual])``: grad_y * scale + (x - center - residual) * p + q.
+
+``moments_and_residual(x)`` also returns each mean's residual: the part of the exact mean m that rounding
+to the statistics dtype took off (m = mean + residual). A map whose mean is 1e4 times its spread loses
+digits of its spread to that rounding; the backward's p term is the derivative of the variance, 2 (x - m)
+/ HW, taken at the exact mean, and ``grad_input`` with the residual keeps it there (the autograd path gets
+the same from differentiating through the rounded mean, whose deviations do not sum to 0).
 
 Per-map vectors are in the statistics dtype (``stat_dtype``: float32, float64 for float64 inputs),
 full-size outputs in x's dtype. Everything between these passes is small (N, C) tensor code.
@@ -73,6 +79,10 @@ class TorchPasses:
         return torch_moments(x.to(stat_dtype(x)))
 
     @staticmethod
+    def moments_and_residual(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return torch_moments_and_residual(x.to(stat_dtype(x)))
+
+    @staticmethod
     def scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor) -> Tensor:
         return _torch_scale_shift(x.to(scale.dtype), scale, shift, center).to(x.dtype)
 
@@ -81,8 +91,12 @@ class TorchPasses:
         return _torch_centered_dot_and_sum(grad_y.to(center.dtype), x.to(center.dtype), center)
 
     @staticmethod
-    def grad_input(grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor) -> Tensor:
+    def grad_input(
+        grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor, residual: Tensor | None = None
+    ) -> Tensor:
         xs = x.to(scale.dtype)
+        if residual is not None:  # (x - center - residual) p + q, with the (N, C) part folded into q
+            q = q - p * residual
         # one full-size write, then an in-place update: no second full-size temporary
         grad_x = _torch_scale_shift(xs, p, q, center)
         return grad_x.addcmul_(grad_y.to(scale.dtype), scale[:, :, None, None]).to(x.dtype)
@@ -130,18 +144,31 @@ _ILL_CONDITIONED = 10.0
 def torch_moments(xs: Tensor, ill_conditioned: float = _ILL_CONDITIONED) -> tuple[Tensor, Tensor]:
     """``moments`` in PyTorch operations, of xs already in the statistics dtype (TorchScript compiles it:
     the threshold is an argument because it reads no global float)."""
+    mean, var, _ = torch_moments_and_residual(xs, ill_conditioned)
+    return mean, var
+
+
+def torch_moments_and_residual(
+    xs: Tensor, ill_conditioned: float = _ILL_CONDITIONED
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch_moments`` and the residual of each mean (module docstring): the float64 mean's part that
+    rounding to the statistics dtype took off, for the maps recomputed in float64; 0 for the others, whose
+    mean is within a few units of its last place of a spread at least a third of it."""
     count = max(xs.shape[2] * xs.shape[3], 1)
     mean = xs.sum((2, 3)) / count
     mean_sq = torch.linalg.vector_norm(xs, dim=(2, 3)).square() / count
     var = (mean_sq - mean.square()).clamp(min=0)
     recompute = mean.square() > ill_conditioned * var
+    residual = torch.zeros_like(mean)
     if torch.jit.is_tracing() or bool(recompute.any()):
         maps = xs.flatten(2)[recompute].double()
         exact_mean = maps.mean(1)
+        rounded = exact_mean.to(mean.dtype)
         # index_put, not `t[mask] = v`: the tracer records the latter with the value's shape of the moment
-        mean = mean.index_put((recompute,), exact_mean.to(mean.dtype))
+        mean = mean.index_put((recompute,), rounded)
         var = var.index_put((recompute,), (maps - exact_mean[:, None]).square().mean(1).to(var.dtype))
-    return mean, var
+        residual = residual.index_put((recompute,), (exact_mean - rounded.double()).to(mean.dtype))
+    return mean, var, residual
 
 
 def plain_scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor) -> Tensor:

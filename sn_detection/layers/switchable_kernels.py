@@ -47,6 +47,14 @@ gradients are its own; the sums over channels (LN statistics, sum_c G and sum_c 
 sample from all channels, which costs a read of the (N, C) moments per program and spares a second launch.
 Everything is float32, LN and BN variances two-pass, so accurate whatever a channel's mean-to-spread ratio.
 The branches' sums over all (n, c) are made by every program and stored by the first.
+
+Accuracy. What the statistics use of a pooled mean is its distance to each map's mean, mu - m, which is of
+the size of the maps' spread when the maps' means are large (1e4 times their spread, say). A pooled mean
+rounded to one float32 near 1e4 would lose the digits of that distance (and of var_ln, mean_c (m - mu_ln)^2
+with it) to its rounding. So the batch's LN and BN means are kept as pairs mu = k + d, k the first map's
+mean along the pooled axis and d the mean of the differences m - k, exact in float32 where the means are
+close, and mu - m = d - (m - k) is never rounded near mu. The running statistics and the pooled sums of
+SyncSN give mu as one value (k = mu, d = 0).
 """
 
 from __future__ import annotations
@@ -90,14 +98,22 @@ if triton is not None:
         tl.store(grad_ptr + k, grad, mask=(k < NUM_BRANCHES) & (pid == 0))
 
     @triton.jit
+    def _to_pair_mean(k, d, m):
+        # mu - m for mu = k + d, the pair never rounded to one float32 (module docstring, "Accuracy")
+        return d - (m - k)
+
+    @triton.jit
     def _layer_moments(mean_ptr, var_ptr, rows, row_mask, N, C, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-        # mu_ln, var_ln of the samples ``rows`` over all channels, two-pass
+        # mu_ln = k + d and var_ln of the samples ``rows`` over all channels, two-pass; k is each sample's
+        # channel 0
+        k = tl.load(mean_ptr + rows * C, mask=row_mask, other=0.0)
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             mask = row_mask[:, None] & (cols < C)[None, :]
-            total += tl.sum(tl.load(mean_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0), 1)
-        mu = total / C
+            m = tl.load(mean_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
+            total += tl.sum(tl.where(mask, m - k[:, None], 0.0), 1)
+        d = total / C
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
@@ -105,9 +121,9 @@ if triton is not None:
             offsets = rows[:, None] * C + cols[None, :]
             m = tl.load(mean_ptr + offsets, mask=mask, other=0.0)
             v = tl.load(var_ptr + offsets, mask=mask, other=0.0)
-            d = tl.where(mask, m - mu[:, None], 0.0)
-            total += tl.sum(v + d * d, 1)
-        return mu, total / C
+            deviation = tl.where(mask, _to_pair_mean(k[:, None], d[:, None], m), 0.0)
+            total += tl.sum(v + deviation * deviation, 1)
+        return k, d, total / C
 
     @triton.jit
     def _pooled_sums_kernel(mean_ptr, var_ptr, pooled_ptr, N, C, spatial, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -169,55 +185,62 @@ if triton is not None:
         gamma = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         beta = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
 
-        # the BN branch of this program's channels: batch moments (two-pass), pooled sums or the running ones
-        mu_bn = tl.zeros([BLOCK_C], dtype=tl.float32)
+        # the BN branch of this program's channels: batch moments (two-pass, mu_bn = k_bn + d_bn with k_bn
+        # the first sample's), pooled sums or the running ones (mu_bn = k_bn)
+        k_bn = tl.zeros([BLOCK_C], dtype=tl.float32)
+        d_bn = tl.zeros([BLOCK_C], dtype=tl.float32)
         var_bn = tl.zeros([BLOCK_C], dtype=tl.float32)
         if NUM_BRANCHES == 3:
             if BN_SOURCE == POOLED:
-                mu_bn, var_bn = _pooled_statistics(
+                k_bn, var_bn = _pooled_statistics(
                     pooled_ptr, running_mean_ptr, running_var_ptr, tracked_ptr, cols, col_mask, C, momentum, pid,
                     UPDATE_RUNNING,
                 )
             elif BN_SOURCE == BATCH:
+                k_bn = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
                 for n0 in range(0, N, BLOCK_N):
                     rows = n0 + tl.arange(0, BLOCK_N)
                     mask = (rows < N)[:, None] & col_mask[None, :]
-                    mu_bn += tl.sum(tl.load(mean_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0), 0)
-                mu_bn = mu_bn / N
+                    m = tl.load(mean_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
+                    d_bn += tl.sum(tl.where(mask, m - k_bn[None, :], 0.0), 0)
+                d_bn = d_bn / N
                 for n0 in range(0, N, BLOCK_N):
                     rows = n0 + tl.arange(0, BLOCK_N)
                     mask = (rows < N)[:, None] & col_mask[None, :]
                     offsets = rows[:, None] * C + cols[None, :]
                     m = tl.load(mean_ptr + offsets, mask=mask, other=0.0)
                     v = tl.load(var_ptr + offsets, mask=mask, other=0.0)
-                    d = tl.where(mask, m - mu_bn[None, :], 0.0)
-                    var_bn += tl.sum(v + d * d, 0)
+                    deviation = tl.where(mask, _to_pair_mean(k_bn[None, :], d_bn[None, :], m), 0.0)
+                    var_bn += tl.sum(v + deviation * deviation, 0)
                 var_bn = var_bn / N
                 if UPDATE_RUNNING:
                     old = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                    tl.store(running_mean_ptr + cols, old + momentum * (mu_bn - old), mask=col_mask)
+                    tl.store(running_mean_ptr + cols, old + momentum * ((k_bn + d_bn) - old), mask=col_mask)
                     if UPDATE_VAR:  # a batch of one value per channel has no spread to record
                         old = tl.load(running_var_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
                         tl.store(running_var_ptr + cols, old + momentum * (var_bn - old), mask=col_mask)
                     if pid == 0:
                         tl.store(tracked_ptr, tl.load(tracked_ptr) + 1)
             else:
-                mu_bn = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                k_bn = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
                 var_bn = tl.load(running_var_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            tl.store(stats_ptr + 2 * N + cols, mu_bn, mask=col_mask)
-            tl.store(stats_ptr + 2 * N + C + cols, var_bn, mask=col_mask)
+            tl.store(stats_ptr + 3 * N + cols, k_bn, mask=col_mask)
+            tl.store(stats_ptr + 3 * N + C + cols, d_bn, mask=col_mask)
+            tl.store(stats_ptr + 3 * N + 2 * C + cols, var_bn, mask=col_mask)
 
         for n0 in range(0, N, BLOCK_N):
             rows = n0 + tl.arange(0, BLOCK_N)
             row_mask = rows < N
-            mu_ln, var_ln = _layer_moments(mean_ptr, var_ptr, rows, row_mask, N, C, BLOCK_N, BLOCK_C)
-            tl.store(stats_ptr + rows, mu_ln, mask=row_mask & (pid == 0))
-            tl.store(stats_ptr + N + rows, var_ln, mask=row_mask & (pid == 0))
+            k_ln, d_ln, var_ln = _layer_moments(mean_ptr, var_ptr, rows, row_mask, N, C, BLOCK_N, BLOCK_C)
+            tl.store(stats_ptr + rows, k_ln, mask=row_mask & (pid == 0))
+            tl.store(stats_ptr + N + rows, d_ln, mask=row_mask & (pid == 0))
+            tl.store(stats_ptr + 2 * N + rows, var_ln, mask=row_mask & (pid == 0))
             mask = row_mask[:, None] & col_mask[None, :]
             offsets = rows[:, None] * C + cols[None, :]
             m = tl.load(mean_ptr + offsets, mask=mask, other=0.0)
             v = tl.load(var_ptr + offsets, mask=mask, other=0.0)
-            offset = a_ln * (mu_ln[:, None] - m) + a_bn * (mu_bn[None, :] - m)
+            to_ln = _to_pair_mean(k_ln[:, None], d_ln[:, None], m)
+            offset = a_ln * to_ln + a_bn * _to_pair_mean(k_bn[None, :], d_bn[None, :], m)
             var = b_in * v + b_ln * var_ln[:, None] + b_bn * var_bn[None, :]
             scale = gamma[None, :] / tl.sqrt(var + eps)
             tl.store(scale_ptr + offsets, scale, mask=mask)
@@ -225,19 +248,40 @@ if triton is not None:
 
     @triton.jit
     def _gradient_terms(
-        mean_ptr, var_ptr, dot_ptr, total_ptr, offsets, mask, mu_ln, var_ln, mu_bn, var_bn, gamma, eps,
+        mean_ptr, var_ptr, dot_ptr, total_ptr, offsets, mask, k_ln, d_ln, var_ln, k_bn, d_bn, var_bn, gamma, eps,
         a_ln, a_bn, b_in, b_ln, b_bn,
     ):
-        # per (n, c): m, v, S, scale, r, E, G, H of the module docstring
+        # per (n, c): v, S, scale, r, E, G, H of the module docstring, and mu_ln - m, mu_bn - m; the LN
+        # statistics are the rows', the BN ones the columns'
         m = tl.load(mean_ptr + offsets, mask=mask, other=0.0)
         v = tl.load(var_ptr + offsets, mask=mask, other=0.0)
         dot = tl.load(dot_ptr + offsets, mask=mask, other=0.0)
         total = tl.load(total_ptr + offsets, mask=mask, other=0.0)
-        offset = a_ln * (mu_ln[:, None] - m) + a_bn * (mu_bn[None, :] - m)
+        to_ln = _to_pair_mean(k_ln[:, None], d_ln[:, None], m)
+        to_bn = _to_pair_mean(k_bn[None, :], d_bn[None, :], m)
         r = 1.0 / tl.sqrt(b_in * v + b_ln * var_ln[:, None] + b_bn * var_bn[None, :] + eps)
         scale = gamma[None, :] * r
-        e = dot - total * offset
-        return m, v, total, scale, r, e, -0.5 * e * scale * r * r, -total * scale
+        e = dot - total * (a_ln * to_ln + a_bn * to_bn)
+        return v, total, scale, r, e, -0.5 * e * scale * r * r, -total * scale, to_ln, to_bn
+
+    @triton.jit
+    def _ln_statistics(stats_ptr, rows, row_mask, N):
+        # (k_ln, d_ln, var_ln) of the samples ``rows``, as the forward kernel stored them
+        k = tl.load(stats_ptr + rows, mask=row_mask, other=0.0)
+        d = tl.load(stats_ptr + N + rows, mask=row_mask, other=0.0)
+        return k, d, tl.load(stats_ptr + 2 * N + rows, mask=row_mask, other=0.0)
+
+    @triton.jit
+    def _bn_statistics(stats_ptr, cols, col_mask, N, C, NUM_BRANCHES: tl.constexpr):
+        # (k_bn, d_bn, var_bn) of the channels ``cols``, as the forward kernel stored them (0 without a BN branch)
+        k = tl.zeros(cols.shape, dtype=tl.float32)
+        d = tl.zeros(cols.shape, dtype=tl.float32)
+        var = tl.zeros(cols.shape, dtype=tl.float32)
+        if NUM_BRANCHES == 3:
+            k = tl.load(stats_ptr + 3 * N + cols, mask=col_mask, other=0.0)
+            d = tl.load(stats_ptr + 3 * N + C + cols, mask=col_mask, other=0.0)
+            var = tl.load(stats_ptr + 3 * N + 2 * C + cols, mask=col_mask, other=0.0)
+        return k, d, var
 
     @triton.jit
     def _backward_kernel(
@@ -256,11 +300,7 @@ if triton is not None:
         a_in, a_ln, a_bn = _branch_weights(mean_logits_ptr, NUM_BRANCHES)
         b_in, b_ln, b_bn = _branch_weights(var_logits_ptr, NUM_BRANCHES)
         gamma = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        mu_bn = tl.zeros([BLOCK_C], dtype=tl.float32)
-        var_bn = tl.zeros([BLOCK_C], dtype=tl.float32)
-        if NUM_BRANCHES == 3:
-            mu_bn = tl.load(stats_ptr + 2 * N + cols, mask=col_mask, other=0.0)
-            var_bn = tl.load(stats_ptr + 2 * N + C + cols, mask=col_mask, other=0.0)
+        k_bn, d_bn, var_bn = _bn_statistics(stats_ptr, cols, col_mask, N, C, NUM_BRANCHES)
 
         # sums over the batch for this program's channels
         grad_gamma = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -271,11 +311,10 @@ if triton is not None:
             rows = n0 + tl.arange(0, BLOCK_N)
             row_mask = rows < N
             mask = row_mask[:, None] & col_mask[None, :]
-            mu_ln = tl.load(stats_ptr + rows, mask=row_mask, other=0.0)
-            var_ln = tl.load(stats_ptr + N + rows, mask=row_mask, other=0.0)
-            m, v, s, scale, r, e, g, h = _gradient_terms(
+            k_ln, d_ln, var_ln = _ln_statistics(stats_ptr, rows, row_mask, N)
+            v, s, scale, r, e, g, h, to_ln, to_bn = _gradient_terms(
                 mean_ptr, var_ptr, dot_ptr, total_ptr, rows[:, None] * C + cols[None, :], mask,
-                mu_ln, var_ln, mu_bn, var_bn, gamma, eps, a_ln, a_bn, b_in, b_ln, b_bn,
+                k_ln, d_ln, var_ln, k_bn, d_bn, var_bn, gamma, eps, a_ln, a_bn, b_in, b_ln, b_bn,
             )
             grad_gamma += tl.sum(tl.where(mask, e * r, 0.0), 0)
             grad_beta += tl.sum(s, 0)
@@ -289,7 +328,7 @@ if triton is not None:
             _input_and_logit_gradients(
                 mean_ptr, var_ptr, stats_ptr, dot_ptr, total_ptr, weight_ptr, mean_logits_ptr, var_logits_ptr,
                 grad_pooled_ptr, p_ptr, q_ptr, grad_mean_logits_ptr, grad_var_logits_ptr, N, C, spatial, eps,
-                cols, col_mask, gamma, mu_bn, var_bn, sum_g, sum_h, pid, a_ln, a_bn, b_in, b_ln, b_bn,
+                cols, col_mask, gamma, k_bn, d_bn, var_bn, sum_g, sum_h, pid, a_ln, a_bn, b_in, b_ln, b_bn,
                 NUM_BRANCHES, BN_GRAD, BLOCK_N, BLOCK_C,
             )
 
@@ -309,7 +348,7 @@ if triton is not None:
     def _input_and_logit_gradients(
         mean_ptr, var_ptr, stats_ptr, dot_ptr, total_ptr, weight_ptr, mean_logits_ptr, var_logits_ptr,
         grad_pooled_ptr, p_ptr, q_ptr, grad_mean_logits_ptr, grad_var_logits_ptr, N, C, spatial, eps,
-        cols, col_mask, gamma, mu_bn, var_bn, sum_g, sum_h, pid, a_ln, a_bn, b_in, b_ln, b_bn,
+        cols, col_mask, gamma, k_bn, d_bn, var_bn, sum_g, sum_h, pid, a_ln, a_bn, b_in, b_ln, b_bn,
         NUM_BRANCHES: tl.constexpr, BN_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
         # per sample: the sums over all channels, then this program's p and q; on the way, the sums over
@@ -322,23 +361,18 @@ if triton is not None:
         for n0 in range(0, N, BLOCK_N):
             rows = n0 + tl.arange(0, BLOCK_N)
             row_mask = rows < N
-            mu_ln = tl.load(stats_ptr + rows, mask=row_mask, other=0.0)
-            var_ln = tl.load(stats_ptr + N + rows, mask=row_mask, other=0.0)
+            k_ln, d_ln, var_ln = _ln_statistics(stats_ptr, rows, row_mask, N)
             row_g = tl.zeros([BLOCK_N], dtype=tl.float32)
             row_h = tl.zeros([BLOCK_N], dtype=tl.float32)
             for c0 in range(0, C, BLOCK_C):
                 all_cols = c0 + tl.arange(0, BLOCK_C)
                 all_mask = all_cols < C
                 mask = row_mask[:, None] & all_mask[None, :]
-                all_mu_bn = tl.zeros([BLOCK_C], dtype=tl.float32)
-                all_var_bn = tl.zeros([BLOCK_C], dtype=tl.float32)
-                if NUM_BRANCHES == 3:
-                    all_mu_bn = tl.load(stats_ptr + 2 * N + all_cols, mask=all_mask, other=0.0)
-                    all_var_bn = tl.load(stats_ptr + 2 * N + C + all_cols, mask=all_mask, other=0.0)
+                all_k_bn, all_d_bn, all_var_bn = _bn_statistics(stats_ptr, all_cols, all_mask, N, C, NUM_BRANCHES)
                 all_gamma = tl.load(weight_ptr + all_cols, mask=all_mask, other=0.0).to(tl.float32)
-                m, v, s, scale, r, e, g, h = _gradient_terms(
+                v, s, scale, r, e, g, h, to_ln, to_bn = _gradient_terms(
                     mean_ptr, var_ptr, dot_ptr, total_ptr, rows[:, None] * C + all_cols[None, :], mask,
-                    mu_ln, var_ln, all_mu_bn, all_var_bn, all_gamma, eps, a_ln, a_bn, b_in, b_ln, b_bn,
+                    k_ln, d_ln, var_ln, all_k_bn, all_d_bn, all_var_bn, all_gamma, eps, a_ln, a_bn, b_in, b_ln, b_bn,
                 )
                 g = tl.where(mask, g, 0.0)
                 h = tl.where(mask, h, 0.0)
@@ -347,22 +381,23 @@ if triton is not None:
                 grad_b_in += g * v
                 grad_b_ln += g * var_ln[:, None]
                 grad_b_bn += g * all_var_bn[None, :]
-                grad_a_ln += h * (mu_ln[:, None] - m)
-                grad_a_bn += h * (all_mu_bn[None, :] - m)
+                grad_a_ln += h * to_ln
+                grad_a_bn += h * to_bn
             mask = row_mask[:, None] & col_mask[None, :]
             offsets = rows[:, None] * C + cols[None, :]
-            m, v, s, scale, r, e, g, h = _gradient_terms(
+            v, s, scale, r, e, g, h, to_ln, to_bn = _gradient_terms(
                 mean_ptr, var_ptr, dot_ptr, total_ptr, offsets, mask,
-                mu_ln, var_ln, mu_bn, var_bn, gamma, eps, a_ln, a_bn, b_in, b_ln, b_bn,
+                k_ln, d_ln, var_ln, k_bn, d_bn, var_bn, gamma, eps, a_ln, a_bn, b_in, b_ln, b_bn,
             )
-            grad_m = -(a_ln + a_bn) * h - scale * s + (a_ln * row_h[:, None] + 2 * b_ln * row_g[:, None] * (m - mu_ln[:, None])) / C
+            grad_m = -(a_ln + a_bn) * h - scale * s + (a_ln * row_h[:, None] - 2 * b_ln * row_g[:, None] * to_ln) / C
             grad_v = b_in * g + b_ln * row_g[:, None] / C
             if BN_GRAD == BATCH:
-                grad_m += (a_bn * sum_h[None, :] + 2 * b_bn * sum_g[None, :] * (m - mu_bn[None, :])) / N
+                grad_m += (a_bn * sum_h[None, :] - 2 * b_bn * sum_g[None, :] * to_bn) / N
                 grad_v += b_bn * sum_g[None, :] / N
             elif BN_GRAD == POOLED:
                 # d sum / dm = HW, d sum_sq / dm = 2 m HW, d sum_sq / dv = HW; combined in float64, where the two
                 # terms' large parts cancel
+                m = tl.load(mean_ptr + offsets, mask=mask, other=0.0)
                 grad_sum = tl.load(grad_pooled_ptr + 1 + cols, mask=col_mask, other=0.0)
                 grad_sum_sq = tl.load(grad_pooled_ptr + 1 + C + cols, mask=col_mask, other=0.0)
                 grad_m += ((grad_sum[None, :] + 2 * m.to(tl.float64) * grad_sum_sq[None, :]) * spatial).to(tl.float32)
@@ -401,7 +436,8 @@ class SwitchableKernels:
         layer = self.layer
         n, c = mean.shape
         scale, shift = torch.empty_like(mean), torch.empty_like(mean)
-        stats = mean.new_empty(2 * n + 2 * c)  # mu_ln, var_ln, mu_bn, var_bn: what backward needs
+        # what backward needs: k_ln, d_ln, var_ln (N each), k_bn, d_bn, var_bn (C each)
+        stats = mean.new_empty(3 * n + 3 * c)
         running = (layer.running_mean, layer.running_var, layer.num_batches_tracked) if layer.use_bn else (mean,) * 3
         block_n, block_c = _blocks(n, c)
         pooled = mean  # read only with BN_SOURCE == POOLED
@@ -465,17 +501,15 @@ class SwitchableClosedForms:
     def forward(self, mean: Tensor, var: Tensor):
         layer = self.layer
         a, b = torch.softmax(torch.stack([layer.mean_weight, layer.var_weight]).to(mean.dtype), 1)
-        mu_ln = mean.mean(1, keepdim=True)
-        to_ln = mu_ln - mean
+        to_ln = _to_mean(mean, 1)
         var_ln = var.mean(1, keepdim=True) + to_ln.square().mean(1, keepdim=True)
         offset, mixed = a[1] * to_ln, b[0] * var + b[1] * var_ln
         to_bn = var_bn = mean.new_zeros(())
         if layer.use_bn:
             if self.batch_stats:
-                mu_bn = mean.mean(0)
-                to_bn = mu_bn - mean
+                to_bn = _to_mean(mean, 0)
                 var_bn = var.mean(0) + to_bn.square().mean(0)
-                self._track(mu_bn, var_bn)
+                self._track(mean[0] + to_bn[0], var_bn)
             else:
                 to_bn = layer.running_mean.to(mean.dtype) - mean
                 var_bn = layer.running_var.to(mean.dtype)
@@ -517,6 +551,14 @@ class SwitchableClosedForms:
         ]
         grads = [grad.to(parameter.dtype) for grad, parameter in zip(grads, parameters)]
         return scale, 2 * grad_v / self.spatial, grad_m / self.spatial, grads
+
+
+def _to_mean(mean: Tensor, dim: int) -> Tensor:
+    """mu - m for every m of ``mean`` and mu its mean over ``dim``, as the kernels compute it: from the
+    differences to the first entry along ``dim``, which are exact where the means are close (module
+    docstring, "Accuracy")."""
+    shifted = mean - mean.narrow(dim, 0, 1)
+    return shifted.mean(dim, keepdim=True) - shifted
 
 
 def _softmax_backward(weights: Tensor, grad_weights: Tensor) -> Tensor:

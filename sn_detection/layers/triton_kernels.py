@@ -3,12 +3,13 @@
 SN, SyncSN, DN, MN and MGN touch the full-size (N, C, H, W) tensors only in four places; everything in
 between is small (N, C) tensor code. Each of the four is one kernel launch here:
 
-- ``moments(x)``: the IN mean and biased variance of every (n, c) map, in one read of x.
+- ``moments(x)``: the IN mean and biased variance of every (n, c) map, in one read of x
+  (``MapPasses.moments_and_residual`` also gives each mean's residual: ``passes``).
 - ``scale_shift(x, scale, shift[, center])``: y = (x - center) * scale + shift with per-map vectors.
 - ``centered_dot_and_sum(grad_y, x, center)``: sum(grad_y * (x - center)) and sum(grad_y) per map, in one
   read of (grad_y, x).
 - ``grad_input(grad_y, x, scale, p, q, center)``: grad_x = grad_y * scale + (x - center) * p + q, one read
-  of (grad_y, x) and one write.
+  of (grad_y, x) and one write (``MapPasses.grad_input`` takes center's residual too).
 
 Types. x and grad_y may be float32, float16 or bfloat16; every per-map vector is a float32 (N, C) tensor.
 Loads are widened to float32 and all arithmetic and accumulation is float32; full-size outputs are
@@ -46,7 +47,9 @@ mean = k + E[d], var = E[d^2] - E[d]^2 (at least 0), with k the float32 mean of 
 2. d is of the size of the spread, and the final subtraction cancels only E[d]^2 = (m - k)^2, not m^2:
    nothing for a map within one tile (k is its own mean), next to nothing when the first tile is
    representative (m - k ~ s / sqrt(BLOCK_HW)); a single element as k would be off by a few spreads.
-3. The mean is k plus a small correction E[d], whose rounding is relative to s, not m.
+3. The mean is k plus a small correction E[d], whose rounding is relative to s, not m. Rounding k + E[d]
+   to one float32 still moves it by up to half a unit of m's last place; the residual
+   (k - mean) + E[d] is what it moved, exact to float32 relative to s.
 
 So the variance keeps about as many digits as a two-pass (or Welford) float32 computation, whatever
 m / s, in one read of x. ``centered_dot_and_sum``'s x - center is exact for the same reason when center is
@@ -114,8 +117,8 @@ if triton is not None:
 
     @triton.jit
     def _moments_kernel(
-        x_ptr, mean_ptr, var_ptr, C, HW, c_blocks,
-        CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
+        x_ptr, mean_ptr, var_ptr, residual_ptr, C, HW, c_blocks,
+        HAS_RESIDUAL: tl.constexpr, CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
     ):
         # One program: the maps of one sample n and BLOCK_C channels, looping over H*W.
         pid = tl.program_id(0)
@@ -147,8 +150,11 @@ if triton is not None:
         mean_d = tl.sum(sum_d, axis=1) / HW
         var = tl.maximum(tl.sum(sum_d2, axis=1) / HW - mean_d * mean_d, 0.0)
         out = n * C + c  # (N, C) outputs are contiguous and small: int32 suffices (N*C < 2**31)
-        tl.store(mean_ptr + out, shift + mean_d, mask=c_mask)
+        mean = shift + mean_d
+        tl.store(mean_ptr + out, mean, mask=c_mask)
         tl.store(var_ptr + out, var, mask=c_mask)
+        if HAS_RESIDUAL:  # what rounding took off the mean: shift - mean is exact (Sterbenz)
+            tl.store(residual_ptr + out, (shift - mean) + mean_d, mask=c_mask)
 
     @triton.jit
     def _centered_dot_and_sum_kernel(
@@ -215,8 +221,8 @@ if triton is not None:
 
     @triton.jit
     def _grad_input_kernel(
-        gy_ptr, x_ptr, gx_ptr, scale_ptr, p_ptr, q_ptr, center_ptr, C, HW, c_blocks, hw_blocks,
-        CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
+        gy_ptr, x_ptr, gx_ptr, scale_ptr, p_ptr, q_ptr, center_ptr, residual_ptr, C, HW, c_blocks, hw_blocks,
+        HAS_RESIDUAL: tl.constexpr, CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
     ):
         n, c, hw = _tile_of_program(c_blocks, hw_blocks, BLOCK_C, BLOCK_HW)
         c_mask = c < C
@@ -230,7 +236,10 @@ if triton is not None:
         center = tl.load(center_ptr + n * C + c, mask=c_mask, other=0.0)[:, None]
         gy = tl.load(gy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        gx = gy * scale + (x - center) * p + q
+        centered = x - center
+        if HAS_RESIDUAL:
+            centered -= tl.load(residual_ptr + n * C + c, mask=c_mask, other=0.0)[:, None]
+        gx = gy * scale + centered * p + q
         tl.store(gx_ptr + offsets, gx.to(gx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -363,19 +372,25 @@ class MapPasses:
     def _meta(self) -> dict:
         return dict(CHANNELS_LAST=self.channels_last, BLOCK_C=self.block_c, BLOCK_HW=self.block_hw, num_warps=_NUM_WARPS)
 
-    def _map_vectors(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Two float32 (N, C) tensors for a reduction's results: to be written in full, or zeros where the
-        maps are empty (their sums, and so their mean and variance, are 0, like passes.torch_moments')."""
+    def _map_vectors(self, x: Tensor, count: int = 2) -> tuple[Tensor, ...]:
+        """``count`` float32 (N, C) tensors for a reduction's results: to be written in full, or zeros where
+        the maps are empty (their sums, and so their mean and variance, are 0, like passes.torch_moments')."""
         allocate = torch.zeros if self.empty else torch.empty
-        return (allocate((self.n, self.c), dtype=torch.float32, device=x.device),
-                allocate((self.n, self.c), dtype=torch.float32, device=x.device))  # fmt: skip
+        return tuple(allocate((self.n, self.c), dtype=torch.float32, device=x.device) for _ in range(count))
 
     def moments(self, x: Tensor) -> tuple[Tensor, Tensor]:
         mean, var = self._map_vectors(x)
-        if self.empty:
-            return mean, var
-        launch(_moments_kernel, (self.n * self.c_blocks,), x, mean, var, self.c, self.hw, self.c_blocks, **self._meta())
+        if not self.empty:
+            launch(_moments_kernel, (self.n * self.c_blocks,), x, mean, var, mean, self.c, self.hw, self.c_blocks,
+                   HAS_RESIDUAL=False, **self._meta())  # fmt: skip
         return mean, var
+
+    def moments_and_residual(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        mean, var, residual = self._map_vectors(x, 3)
+        if not self.empty:
+            launch(_moments_kernel, (self.n * self.c_blocks,), x, mean, var, residual, self.c, self.hw, self.c_blocks,
+                   HAS_RESIDUAL=True, **self._meta())  # fmt: skip
+        return mean, var, residual
 
     def scale_shift(self, x: Tensor, scale: Tensor, shift: Tensor, center: Tensor | None = None) -> Tensor:
         y = _output_like(x)
@@ -399,14 +414,19 @@ class MapPasses:
         )  # fmt: skip
         return dot, total
 
-    def grad_input(self, grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor) -> Tensor:
+    def grad_input(
+        self, grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor,
+        residual: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
         grad_x = _output_like(x)
         if self.empty:
             return grad_x
         grad_y = grad_y.contiguous(memory_format=self.memory_format)
-        scale, p, q, center = self._vectors(scale, p, q, center)
+        has_residual = residual is not None
+        scale, p, q, center, residual = self._vectors(scale, p, q, center, residual if has_residual else center)
         launch(_grad_input_kernel, (self.n * self.c_blocks * self.hw_blocks,),
-            grad_y, x, grad_x, scale, p, q, center, self.c, self.hw, self.c_blocks, self.hw_blocks, **self._meta(),
+            grad_y, x, grad_x, scale, p, q, center, residual, self.c, self.hw, self.c_blocks, self.hw_blocks,
+            HAS_RESIDUAL=has_residual, **self._meta(),
         )  # fmt: skip
         return grad_x
 

@@ -63,14 +63,16 @@ def assert_same(actual, expected, tolerance):
 def calls(monkeypatch):
     """Each Triton pass's calls through ``passes``: the dtype of the full-size tensor each one read first."""
     reads = {kernel: [] for kernel in KERNELS}
-    for kernel in KERNELS:
-        original = getattr(passes.triton_kernels.MapPasses, kernel)
+    # the fused path's moments come with their residuals: the same kernel
+    methods = {kernel: kernel for kernel in KERNELS} | {"moments_and_residual": "moments"}
+    for method, kernel in methods.items():
+        original = getattr(passes.triton_kernels.MapPasses, method)
 
         def recorded(self, tensor, *args, kernel=kernel, original=original, **kwargs):
             reads[kernel].append(tensor.dtype)
             return original(self, tensor, *args, **kwargs)
 
-        monkeypatch.setattr(passes.triton_kernels.MapPasses, kernel, recorded)
+        monkeypatch.setattr(passes.triton_kernels.MapPasses, method, recorded)
     return reads
 
 

@@ -174,6 +174,33 @@ def test_moments_accuracy_mean_far_from_zero(layout, shape):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=_ids(LAYOUTS))
+def test_the_residual_holds_what_rounding_took_off_the_mean(layout):
+    """mean + residual is the exact mean to float32 accuracy of the spread, where the float32 mean alone is
+    up to half a unit of 1e4 off; grad_input with it is the variance's derivative at the exact mean."""
+    generator = torch.Generator().manual_seed(3)
+    x = 1e4 + torch.randn(2, 3, 40, 60, generator=generator)  # two tiles per map: a shift off the mean
+    x = x.to(DEVICE).contiguous(memory_format=layout)
+    exact = x.double().mean((2, 3))
+    mean, var, residual = K.MapPasses(x).moments_and_residual(x)
+    plain_mean, plain_var = K.moments(x)
+    assert torch.equal(mean, plain_mean) and torch.equal(var, plain_var)
+    rounding = (mean.double() - exact).abs().max().item()
+    assert rounding > 1e-5
+    assert (mean.double() + residual.double() - exact).abs().max().item() < 1e-6
+
+    grad_var = torch.randn(2, 3, generator=generator).to(DEVICE)
+    p, zeros = 2 * grad_var / (40 * 60), torch.zeros(2, 3, device=DEVICE)
+    xd = x.double()
+    exact_grad = (xd - exact[:, :, None, None]) * p.double()[:, :, None, None]
+    over = K.MapPasses(x)
+    grad_y = torch.zeros_like(x)
+    with_residual = over.grad_input(grad_y, x, zeros, p, zeros, mean, residual)
+    without = over.grad_input(grad_y, x, zeros, p, zeros, mean)
+    error, error_without = ((g.double() - exact_grad).abs().max().item() for g in (with_residual, without))
+    assert error < error_without / 10 and error < 1e-6 * exact_grad.abs().max().item(), (error, error_without)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_ids(LAYOUTS))
 def test_centered_dot_accuracy_mean_far_from_zero(layout):
     """x - center is exact for maps far from zero centred at their mean: the dot keeps float32 accuracy."""
     generator = torch.Generator().manual_seed(1)

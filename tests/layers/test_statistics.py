@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sn_detection.layers import build_norm
-from sn_detection.layers.passes import torch_moments
+from sn_detection.layers.passes import TorchPasses, torch_moments, torch_moments_and_residual
 from sn_detection.layers.statistics import normalize_by_moments, reference_normalize_by_moments
 
 FAST_PATH_LAYERS = ["SN", "SyncSN", "DN", "MN", "MGN"]
@@ -86,6 +86,36 @@ def test_moments_stay_accurate_when_the_mean_dwarfs_the_spread():
     mean, var = torch_moments(x)
     torch.testing.assert_close(mean.double(), expected_mean, rtol=1e-6, atol=0)
     torch.testing.assert_close(var.double(), expected_var, rtol=1e-3, atol=0)
+
+
+def test_the_residual_holds_what_rounding_took_off_an_ill_conditioned_mean():
+    generator = torch.Generator().manual_seed(0)
+    x = 1e4 + torch.randn(2, 3, 5, 6, generator=generator)
+    x[:, 1] = torch.randn(2, 5, 6, generator=generator)  # well-conditioned: no residual
+    exact = x.double().mean((2, 3))
+    mean, var, residual = torch_moments_and_residual(x)
+    assert all(torch.equal(a, b) for a, b in zip((mean, var), torch_moments(x)))
+    rounding = (mean.double() - exact)[:, [0, 2]].abs()
+    assert rounding.max() > 1e-5  # rounding near 1e4 takes off up to 4.9e-4: there is something to keep
+    assert (mean.double() + residual.double() - exact)[:, [0, 2]].abs().max() < 1e-7 * rounding.max() + 1e-9
+    assert (residual[:, 1] == 0).all()
+
+
+def test_grad_input_at_the_exact_mean_matches_autograd_through_the_rounded_mean():
+    """p (x - mean - residual) + q is the derivative of var_in at the exact mean; autograd through the
+    rounded mean gets the same from the deviations' nonzero sum. A mean 1e4 times the spread."""
+    generator = torch.Generator().manual_seed(2)
+    x = 1e4 + torch.randn(2, 3, 4, 5, generator=generator)
+    grad_var = torch.randn(2, 3, generator=generator)
+    xd = x.double().requires_grad_()
+    (exact,) = torch.autograd.grad((xd.var((2, 3), correction=0) * grad_var.double()).sum(), xd)
+    mean, _, residual = torch_moments_and_residual(x)
+    p, q = 2 * grad_var / 20, torch.zeros_like(grad_var)
+    zeros = torch.zeros_like(x)
+    with_residual = TorchPasses.grad_input(zeros, x, zeros[:, :, 0, 0], p, q, mean, residual)
+    without = TorchPasses.grad_input(zeros, x, zeros[:, :, 0, 0], p, q, mean)
+    error, error_without = ((g.double() - exact).abs().max().item() for g in (with_residual, without))
+    assert error < 1e-5 * exact.abs().max().item() and error < error_without / 10, (error, error_without)
 
 
 def test_backward_can_run_twice_with_retained_graph():
