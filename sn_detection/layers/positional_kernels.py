@@ -243,10 +243,13 @@ def backward(
     plan = _Plan(x, _check_same_layout(grad_y, x))
     grad_x = _output_like(x) if needs_x else None
     partial = torch.empty((plan.programs, 2, plan.c), dtype=torch.float32, device=x.device)
+    # No FMA contraction: g - mean_c g must cancel exactly where a pixel's g are all equal (one channel,
+    # whose grad_x is 0), and a contracted gy * w - mean_c g leaves the product's rounding error, which r =
+    # eps^(-1/2) then magnifies
     launch(
         _backward_kernel, (plan.programs,),
         grad_y, x, grad_x if needs_x else grad_y, stats, weight, partial, plan.c, plan.hw, plan.pixels,
-        plan.hw_blocks, NEEDS_X=needs_x, **plan.meta(),
+        plan.hw_blocks, NEEDS_X=needs_x, enable_fp_fusion=False, **plan.meta(),
     )  # fmt: skip
     if not needs_parameters:
         return grad_x, None, None

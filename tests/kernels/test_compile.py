@@ -46,7 +46,8 @@ def signature(kernel, args, meta):
         else:
             types[name] = "fp32"
     return {
-        "module": kernel.fn.__module__, "kernel": kernel.fn.__name__, "num_warps": meta.get("num_warps", 4),
+        "module": kernel.fn.__module__, "kernel": kernel.fn.__name__,
+        "options": {"num_warps": meta.get("num_warps", 4), "enable_fp_fusion": meta.get("enable_fp_fusion", True)},
         "signature": {name: "constexpr" if name in constants else types[name] for name in names},
         "constants": constants,
     }  # fmt: skip
@@ -102,7 +103,7 @@ _COMPILE = textwrap.dedent("""
     def compile_one(record):
         kernel = getattr(importlib.import_module(record["module"]), record["kernel"])
         source = ASTSource(fn=kernel, signature=record["signature"], constexprs=record["constants"])
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": record["num_warps"]})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=record["options"])
         assert compiled.asm["cubin"], record
 
     if __name__ == "__main__":
