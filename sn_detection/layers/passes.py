@@ -32,6 +32,8 @@ tensors with Triton 3 or newer, and, for CPU tensors, when the tests run Triton'
 Under create_graph (a differentiable backward) every pass is plain autograd-tracked tensor code.
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -92,7 +94,7 @@ class TorchPasses:
 
     @staticmethod
     def grad_input(
-        grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor, residual: Tensor | None = None
+        grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor, residual: Optional[Tensor] = None
     ) -> Tensor:
         xs = x.to(scale.dtype)
         if residual is not None:  # (x - center - residual) p + q, with the (N, C) part folded into q
@@ -114,6 +116,11 @@ def moments(x: Tensor) -> tuple[Tensor, Tensor]:
     return over(x).moments(x)
 
 
+def moments_and_residual(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``moments`` and each mean's residual (module docstring), without autograd."""
+    return over(x).moments_and_residual(x)
+
+
 def scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor) -> Tensor:
     """(x - center) * scale + shift with (N, C) scale, shift and center, computed in their dtype, returned
     in x's dtype as a new tensor that is no view."""
@@ -125,9 +132,12 @@ def centered_dot_and_sum(grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Ten
     return over(x).centered_dot_and_sum(grad_y, x, center)
 
 
-def grad_input(grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor) -> Tensor:
-    """grad_y * scale + (x - center) * p + q with (N, C) vectors, returned in x's dtype; one write."""
-    return over(x).grad_input(grad_y, x, scale, p, q, center)
+def grad_input(
+    grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor, residual: Optional[Tensor] = None
+) -> Tensor:
+    """grad_y * scale + (x - center - residual) * p + q with (N, C) vectors (no residual: 0), returned in x's
+    dtype; one write."""
+    return over(x).grad_input(grad_y, x, scale, p, q, center, residual)
 
 
 def like(grad_y: Tensor, x: Tensor) -> Tensor:

@@ -215,24 +215,25 @@ class _NormalizeByMoments(torch.autograd.Function):
 
         grad_x = grad_y * scale + (x - mu_in) * p + q,   p = 2 g_var / HW,   q = g_mean / HW
 
-    (g_mean, g_var: gradients of the loss with respect to the IN statistics; the paper's appendix).
+    (g_mean, g_var: gradients of the loss with respect to the IN statistics; the paper's appendix), with
+    mu_in the exact mean, the rounded one plus its residual (``passes``).
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, affine: AffineFromMoments, *parameters: Tensor):
-        mean_in, var_in = passes.moments(x)
+        mean_in, var_in, residual = passes.moments_and_residual(x)
         with torch.enable_grad():
             mean_in.requires_grad_(ctx.needs_input_grad[0])
             var_in.requires_grad_(ctx.needs_input_grad[0])
             scale, shift = _affine_in_stat_dtype(affine, mean_in, var_in)
-        ctx.save_for_backward(x, *parameters)
+        ctx.save_for_backward(x, residual, *parameters)
         ctx.affine = affine
         ctx.graph = (mean_in, var_in, scale, shift)
         return passes.scale_shift(x, scale.detach(), shift.detach(), mean_in.detach())
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        x, *parameters = ctx.saved_tensors
+        x, residual, *parameters = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
             replay = functools.partial(reference_normalize_by_moments, affine=ctx.affine)
             grad_x, grad_parameters = fused.replayed_gradients(
@@ -252,6 +253,6 @@ class _NormalizeByMoments(torch.autograd.Function):
             grad_var = torch.zeros_like(center) if grad_var is None else grad_var
             count = max(x.shape[2] * x.shape[3], 1)
             p, q = 2 * grad_var / count, grad_mean / count
-            grad_x = passes.grad_input(grad_y, x, scale.detach(), p, q, center)
+            grad_x = passes.grad_input(grad_y, x, scale.detach(), p, q, center, residual)
         grad_parameters = [next(grads) if p.requires_grad else None for p in parameters]
         return (grad_x, None, *grad_parameters)

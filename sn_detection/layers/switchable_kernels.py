@@ -54,7 +54,9 @@ rounded to one float32 near 1e4 would lose the digits of that distance (and of v
 with it) to its rounding. So the batch's LN and BN means are kept as pairs mu = k + d, k the first map's
 mean along the pooled axis and d the mean of the differences m - k, exact in float32 where the means are
 close, and mu - m = d - (m - k) is never rounded near mu. The running statistics and the pooled sums of
-SyncSN give mu as one value (k = mu, d = 0).
+SyncSN give mu as one value (k = mu, d = 0). The closed forms as tensor operations round mu to one value,
+as the autograd path does: SyncSN runs that path across processes off the kernel path, and one process's
+training rounds as theirs.
 """
 
 from __future__ import annotations
@@ -501,15 +503,17 @@ class SwitchableClosedForms:
     def forward(self, mean: Tensor, var: Tensor):
         layer = self.layer
         a, b = torch.softmax(torch.stack([layer.mean_weight, layer.var_weight]).to(mean.dtype), 1)
-        to_ln = _to_mean(mean, 1)
+        mu_ln = mean.mean(1, keepdim=True)
+        to_ln = mu_ln - mean
         var_ln = var.mean(1, keepdim=True) + to_ln.square().mean(1, keepdim=True)
         offset, mixed = a[1] * to_ln, b[0] * var + b[1] * var_ln
         to_bn = var_bn = mean.new_zeros(())
         if layer.use_bn:
             if self.batch_stats:
-                to_bn = _to_mean(mean, 0)
+                mu_bn = mean.mean(0)
+                to_bn = mu_bn - mean
                 var_bn = var.mean(0) + to_bn.square().mean(0)
-                self._track(mean[0] + to_bn[0], var_bn)
+                self._track(mu_bn, var_bn)
             else:
                 to_bn = layer.running_mean.to(mean.dtype) - mean
                 var_bn = layer.running_var.to(mean.dtype)
@@ -551,14 +555,6 @@ class SwitchableClosedForms:
         ]
         grads = [grad.to(parameter.dtype) for grad, parameter in zip(grads, parameters)]
         return scale, 2 * grad_v / self.spatial, grad_m / self.spatial, grads
-
-
-def _to_mean(mean: Tensor, dim: int) -> Tensor:
-    """mu - m for every m of ``mean`` and mu its mean over ``dim``, as the kernels compute it: from the
-    differences to the first entry along ``dim``, which are exact where the means are close (module
-    docstring, "Accuracy")."""
-    shifted = mean - mean.narrow(dim, 0, 1)
-    return shifted.mean(dim, keepdim=True) - shifted
 
 
 def _softmax_backward(weights: Tensor, grad_weights: Tensor) -> Tensor:

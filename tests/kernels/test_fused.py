@@ -130,7 +130,7 @@ def test_large_channel_means_keep_the_autograd_paths_float32_accuracy(name, opti
     # float32 input's own rounding limits both paths alike (the means are 1e4 +- a few ulps): the fused path
     # must be as close to the float64 computation as the autograd path is, within a factor 2, for layers of
     # several draws (in evaluation the gradients go through running means far from the data's, the case
-    # that needs the means' residuals and the pooled means kept as pairs)
+    # that needs the means' residuals and the kernels' pooled means kept as pairs)
     layer = make(name, options, 16, training, seed)
     x, grad_y = inputs((3, 16, 5, 6), mean=1e4)
     exact = run(copy.deepcopy(layer).double(), x.double(), grad_y.double(), autograd_path)
