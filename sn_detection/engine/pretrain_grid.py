@@ -50,6 +50,9 @@ cell). FrozenBN is pretrained as BN (``pretrained_norm``), so it is the BN cell.
   first reached X at its end (the final evaluation), or at an evaluation whose model it kept (a grid run
   with PRETRAIN.KEEP_EVALUATED_MODELS), the equal cell is made from the cell's run without training
   (``pretraining.train.same_run_stop``): a copy of its backbone, or the batch average of that model.
+  The stop is checked every PRETRAIN.EVAL_PERIOD of the grid, or every ``--equal-eval-period N``
+  iterations: a finer N stops nearer X (top-1 may climb several points between two of the grid's
+  evaluations), and the equal cells then train, their run's evaluations not being the grid cell's.
 - **Outputs** in OUTPUT_DIR: ``results.md`` (top-1 per norm x setting with wall times, each norm's best
   setting by val top-1 in bold, then a row per cell, and where the cache holds other draws of a best
   setting (another SEED, as ``compare_norms --backbone-seeds`` makes them) a table of the draws),
@@ -498,8 +501,9 @@ def equal_markdown(target: float, equal: dict[str, Cell], not_reached: Sequence[
     lines = [
         f"#### Trained to {target:g} % (`--equal-top1`)", "",
         f"Each norm's best setting trained again with PRETRAIN.STOP_TOP1 {target:g}: it stops at the first "
-        f"evaluation (with the moving averages) at which val top-1 reached {target:g} %, where its grid cell, the "
-        "same run, first did; then it is batch-averaged and evaluated as every cell is. Where the grid cell "
+        f"evaluation (with the moving averages, every PRETRAIN.EVAL_PERIOD of its setting) at which val top-1 "
+        f"reached {target:g} %; evaluated as often as its grid cell, the same run, that is where the cell first "
+        "did. Then it is batch-averaged and evaluated as every cell is. Where the grid cell "
         f"reached {target:g} % only at its end, its backbone is copied: the same run would end alike; where the "
         "cell kept its model at the evaluation that first reached it (PRETRAIN.KEEP_EVALUATED_MODELS), that "
         "model is batch-averaged and evaluated, without training. `equal_top1.json` (published beside this "
@@ -645,8 +649,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--equal-top1", action="store_true",
                         help="then train each norm's best setting again, stopped where its top-1 first reaches "
                         "--target-top1 (default: the lowest best top-1, rounded down to a whole percent, once every "
-                        "norm's cells are done; PRETRAIN.STOP_TOP1 at the grid's PRETRAIN.EVAL_PERIOD), and write "
+                        "norm's cells are done; PRETRAIN.STOP_TOP1 checked every --equal-eval-period), and write "
                         "equal_top1.json for compare_norms")  # fmt: skip
+    parser.add_argument("--equal-eval-period", type=int, metavar="N",
+                        help=f"with --equal-top1: check the stop every N iterations (>= {LOG_PERIOD}; default: the "
+                        "grid's PRETRAIN.EVAL_PERIOD, whose cells' kept models then give the equal cells without "
+                        "training)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
                         help="cells at once, the threads split between them (default: 1)")  # fmt: skip
     parser.add_argument("--estimate-steps", type=int, default=DEFAULT_ESTIMATE_STEPS, metavar="K",
@@ -664,6 +672,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.estimate_steps < 0:
         parser.error(f"--estimate-steps must be >= 0, got {args.estimate_steps}")
+    if args.equal_eval_period is not None and args.equal_eval_period < LOG_PERIOD:
+        parser.error(f"--equal-eval-period must be >= {LOG_PERIOD} (metrics.json is written every {LOG_PERIOD} "
+                     f"iterations), got {args.equal_eval_period}")  # fmt: skip
     if args.target_top1 is not None and not 0 < args.target_top1 <= 100:
         parser.error(f"--target-top1 must be a top-1 in (0, 100] %, got {args.target_top1}")
     if not os.path.isfile(args.config_file):
@@ -723,7 +734,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.target_top1 = lowest_best_top1(cells, results, len(args.norms))
             if args.target_top1 is None:
                 return None
-        equal = equal_top1_cells(cells, results, args.target_top1, cfg.PRETRAIN.EVAL_PERIOD)
+        equal = equal_top1_cells(cells, results, args.target_top1, args.equal_eval_period or cfg.PRETRAIN.EVAL_PERIOD)
         planned = list(equal[0].values())
         for cell in planned:
             configs.setdefault(cell, cell_cfg(cfg, cell))

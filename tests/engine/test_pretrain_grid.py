@@ -277,6 +277,13 @@ def test_a_cell_evaluated_only_at_its_end_bounds_its_first_reach():
     assert "| SN | LR 0.2 | ≤ 21 (evaluated at the end only) | – | not done |  |" in text
 
 
+def test_an_equal_eval_period_finer_than_the_logs_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        pretrain_grid.main(["--equal-top1", "--equal-eval-period", "10", "--plan-only"])
+    assert "--equal-eval-period must be >= 20 (metrics.json is written every 20 iterations), got 10" in (
+        capsys.readouterr().err)  # fmt: skip
+
+
 def test_the_estimate_counts_the_iterations_a_cell_still_trains():
     """s/iter (the median of the norm's finished cells) x iterations: the config's, or those given (an
     equal-top-1 cell stops where its grid cell reached the target), less those checkpointed; / jobs."""
@@ -416,6 +423,10 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     printed = capsys.readouterr().out  # GN reached 40 % at the end (its best itself), BN after 20 iterations
     assert "Trained to 40 % (--equal-top1): 2 norm(s) with all cells done, 2 to run" in printed
     assert "  BN-lr0.1-top1-40.0-eval20: to run" in printed and "  GN-lr0.1-top1-40.0-eval20: to run" in printed
+    # checked more often than the grid evaluated: cells of their own, which train
+    assert pretrain_grid.main(["--equal-eval-period", "40", *two_norms]) == 0
+    printed = capsys.readouterr().out
+    assert "  BN-lr0.1-top1-40.0-eval40: to run" in printed and "  GN-lr0.1-top1-40.0-eval40: to run" in printed
 
     # equal_top1.json feeds compare_norms --finetune --backbones as best.json does; published, both settings
     # files lie beside the table, so that a sweep needs the repository only, not the grid's output
