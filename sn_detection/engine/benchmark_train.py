@@ -20,9 +20,9 @@ per-channel affine, is the floor any normalizer is compared with.
 Kernels are compiled or chosen per input shape (Triton's specializations of its integer arguments, cuDNN's
 and oneDNN's algorithms), and the batches' image sizes differ: every setting first runs every batch once,
 untimed, so that the rounds time steps rather than compilations. The settings are then timed in
-interleaved rounds (two more warm-up rounds first), so that a load change on a shared machine hits all of
-them alike; the table gives each setting's median, its ratio to GN, and the lowest and highest ratio within
-one round ("rounds": the run-to-run spread).
+interleaved rounds, one per batch, so that a load change on a shared machine hits all of them alike; the
+table gives each setting's median, its ratio to GN, and the lowest and highest ratio within one round
+("rounds": the run-to-run spread).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from .. import d2
 from ..data.datasets import register_shapes_datasets
 from .launch import load_cfg
 from .timing import (
-    WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs, range_text, ratio_to,
+    device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs, range_text, ratio_to,
     timed_norms,
 )  # fmt: skip
 
@@ -108,14 +108,14 @@ def main(argv: Optional[Sequence[str]] = None):
     device = torch.device(cfg.MODEL.DEVICE)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, device {gpu or 'cpu'}")
-    batches = fixed_batches(cfg, args.rounds + WARMUP_ROUNDS)
+    batches = fixed_batches(cfg, args.rounds)
     settings = {norm: Setting(setting_cfg) for norm, setting_cfg in setting_cfgs.items()}
-    for setting in settings.values():  # every shape's kernels compiled before any round (module docstring)
+    for setting in settings.values():  # the warm-up: every shape's kernels compiled (module docstring)
         for batch in batches:
             setting.train_step(batch)
             setting.inference(batch)
-    train = ratio_to(interleaved_seconds(settings, batches, lambda s, batch: s.train_step(batch)), REFERENCE)
-    inference = ratio_to(interleaved_seconds(settings, batches, lambda s, batch: s.inference(batch)), REFERENCE)
+    train = ratio_to(interleaved_seconds(settings, batches, lambda s, batch: s.train_step(batch), 0), REFERENCE)
+    inference = ratio_to(interleaved_seconds(settings, batches, lambda s, batch: s.inference(batch), 0), REFERENCE)
 
     rows = [
         {

@@ -25,14 +25,14 @@ def device_seconds(function, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def interleaved_seconds(candidates, inputs, run):
+def interleaved_seconds(candidates, inputs, run, warmup_rounds: int = WARMUP_ROUNDS):
     """Seconds per candidate label, where ``run(candidate, input)`` returns the seconds of one run: one round
-    per input, every candidate once per round; the first ``WARMUP_ROUNDS`` rounds are not kept."""
+    per input, every candidate once per round; the first ``warmup_rounds`` rounds are not kept."""
     times = {label: [] for label in candidates}
     for round_index, item in enumerate(inputs):
         for label, candidate in candidates.items():
             seconds = run(candidate, item)
-            if round_index >= WARMUP_ROUNDS:
+            if round_index >= warmup_rounds:
                 times[label].append(seconds)
     return times
 

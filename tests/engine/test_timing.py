@@ -32,6 +32,11 @@ def test_rounds_interleave_candidates_and_drop_the_warm_up():
     assert times == {"a": [3.0, 4.0, 5.0], "b": [6.0, 8.0, 10.0]}
 
 
+def test_rounds_keep_every_round_without_warm_up():
+    times = interleaved_seconds({"a": 1.0}, range(3), lambda scale, item: scale * (item + 1), warmup_rounds=0)
+    assert times == {"a": [1.0, 2.0, 3.0]}
+
+
 def test_device_seconds_is_the_wall_time_of_the_call():
     calls = []
 
