@@ -89,6 +89,7 @@ from .jobs import (
     backbone_command,
     checkpointed_iterations,
     child_environment,
+    code_version,
     execute_job,
     has_checkpoint,
     run_jobs,
@@ -442,13 +443,14 @@ def execute(run: RunSpec, jobs: int = 1) -> bool:
     if not resumed and os.path.isfile(stale_metrics):
         os.remove(stale_metrics)  # train_net appends: a restart from scratch must not extend the old curve
     write_record(run.folder, record)
+    code = code_version()
     start, returncode, command, env = time.perf_counter(), None, run.command(), child_environment(jobs)
     try:
         with open(os.path.join(run.folder, TRAIN_LOG), "a") as log:
             returncode = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     finally:
         attempt = {"wall_s": round(time.perf_counter() - start, 1), "returncode": returncode, "resumed": resumed,
-                   "threads": threads_of(env)}  # fmt: skip
+                   "threads": threads_of(env), "code": code}  # fmt: skip
         record["attempts"].append(attempt)
         write_record(run.folder, record)
     return returncode == 0 and is_finished(run.folder, RESULTS_FILE)

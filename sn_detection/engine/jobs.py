@@ -6,7 +6,7 @@ A backbone job is one backbone of the cache (``sn_detection.pretraining.train.ca
 own: ``training/`` (the work folder, checkpointed every PRETRAIN.CHECKPOINT_PERIOD iterations, so that a
 job killed mid-way continues from its last checkpoint the next time; removed once the backbone is in the
 cache), ``pretrain.log`` (its output, appended by every attempt) and ``cell.json`` (what it makes, and
-every attempt: start, wall time, exit status, resumed or not, threads). An attempt is recorded as it
+every attempt: start, wall time, exit status, resumed or not, threads, code: ``code_version``). An attempt is recorded as it
 starts, so that one cut off with its parent still counts: its wall time ends at the log's last change.
 
 Its subprocess is ``python -m sn_detection.engine.jobs --work-dir W --expect-cache C --norm N --config-file
@@ -64,6 +64,30 @@ def threads_of(env: dict) -> int:
     the same bit for bit only at the same thread count (and CPU); another one sums in another order and
     trains a run as different as another seed's."""
     return int(env.get("OMP_NUM_THREADS") or usable_cores())
+
+
+def code_version(root: str = PACKAGE_ROOT) -> str:
+    """The code a subprocess runs, recorded with every attempt: ``git <commit>`` of the checkout at ``root``
+    (the sn_detection on a child's path), with `` + changes`` where its tracked files differ from that
+    commit; ``sn_detection <version>`` where ``root`` is not a checkout's top folder (an installed package).
+    A rounding-level change of the code trains a run as different as another seed's, so two runs compare
+    bit for bit only at the same code, threads and CPU."""
+
+    def git(*args: str) -> Optional[str]:
+        try:
+            result = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):  # no git, or a hung one: the version below
+            return None
+        return result.stdout.strip() if result.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    commit = git("rev-parse", "HEAD") if top and os.path.samefile(top, root) else None
+    if commit is None:
+        from .. import __version__
+
+        return f"sn_detection {__version__}"
+    changes = git("status", "--porcelain", "--untracked-files=no")
+    return f"git {commit}" + (" + changes" if changes else "")
 
 
 def has_checkpoint(folder: str) -> bool:
@@ -147,7 +171,8 @@ def execute_job(command: list[str], folder: str, new_record: dict, jobs: int) ->
     record = read_job_record(folder) or {**new_record, "attempts": []}
     env = child_environment(jobs)
     attempt = {"started": round(time.time(), 1), "wall_s": None, "returncode": None,
-               "resumed": has_checkpoint(os.path.join(folder, WORK_FOLDER)), "threads": threads_of(env)}  # fmt: skip
+               "resumed": has_checkpoint(os.path.join(folder, WORK_FOLDER)), "threads": threads_of(env),
+               "code": code_version()}  # fmt: skip
     record["attempts"].append(attempt)
     write_json(path, record)
     start, returncode = time.perf_counter(), None

@@ -14,6 +14,7 @@ import yaml
 
 from sn_detection.engine import compare_norms
 from sn_detection.engine.compare_norms import Setting, parse_setting, plan_runs, scaled_schedule
+from sn_detection.engine.jobs import code_version
 from sn_detection.engine.launch import load_cfg
 from sn_detection.engine.trainer import RESULTS_FILE
 from sn_detection.evidence.runs import read_record
@@ -196,6 +197,7 @@ def test_jobs_run_at_once_on_their_share_of_the_threads(tmp_path, monkeypatch):
     assert second[0] < first[1] and third[0] >= min(first[1], second[1])  # two at a time, in plan order
     assert {span[2] for span in spans.values()} == {"2"}
     assert [read_record(run.folder)["attempts"][0]["threads"] for run in broken] == [2, 2, 2]  # what it ran on
+    assert {read_record(run.folder)["attempts"][0]["code"] for run in broken} == {code_version()}  # and which code
     with pytest.raises(ValueError, match="jobs must be >= 1"):
         compare_norms.run_sweep(broken, jobs=0)
 

@@ -47,6 +47,34 @@ def test_every_attempt_is_recorded_with_its_threads_and_a_cut_off_one_up_to_its_
     first, cut_off, last = jobs.read_job_record(folder)["attempts"]
     assert cut_off["interrupted"] and cut_off["wall_s"] == 7.5
     assert last["returncode"] == 0 and last["threads"] == 4 and jobs.read_job_record(folder)["norm"] == "BN"
+    assert first["code"] == last["code"] == jobs.code_version()
+
+
+def git(folder, *args):
+    environment = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                   "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
+    return subprocess.run(["git", "-C", str(folder), *args], env=environment, check=True, capture_output=True,
+                          text=True).stdout.strip()  # fmt: skip
+
+
+def test_the_code_version_is_the_checkouts_commit_and_whether_its_tracked_files_changed(tmp_path):
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    git(checkout, "init", "-q")
+    (checkout / "code.py").write_text("x = 1\n")
+    git(checkout, "add", "code.py")
+    git(checkout, "commit", "-q", "-m", "one")
+    commit = git(checkout, "rev-parse", "HEAD")
+    assert jobs.code_version(str(checkout)) == f"git {commit}"
+    (checkout / "untracked.txt").write_text("not code\n")  # output beside the code is not a change of it
+    assert jobs.code_version(str(checkout)) == f"git {commit}"
+    (checkout / "code.py").write_text("x = 2\n")
+    assert jobs.code_version(str(checkout)) == f"git {commit} + changes"
+
+    # a folder inside a checkout is not one (an installed package under a repository): the version
+    (checkout / "package").mkdir()
+    assert jobs.code_version(str(checkout / "package")) == "sn_detection " + __import__("sn_detection").__version__
+    assert jobs.code_version(str(tmp_path)) == "sn_detection " + __import__("sn_detection").__version__
 
 
 def test_run_jobs_returns_the_failed_in_plan_order_and_checks_each_is_done():
