@@ -565,6 +565,7 @@ def write_outputs(
     unfinished = [
         f"{run.setting.name} seed {run.seed}" for run in started if not is_finished(run.folder, RESULTS_FILE)
     ]
+    description = f"{description.rstrip()} {report.code_sentence(results)}"
     os.makedirs(output_dir, exist_ok=True)
     report.write_markdown(os.path.join(output_dir, TABLE_FILE), description, summaries, unfinished, pairs)
     report.write_csv(os.path.join(output_dir, CSV_FILE), results, summaries)

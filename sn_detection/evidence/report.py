@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .runs import AP_METRICS, RunResult
+from .runs import AP_METRICS, NOT_RECORDED, RunResult
 
 # What is averaged: the AP columns, then the cost, the end of the learning curve, the backbone's top-1 and
 # the iterations of a backbone stopped at a top-1.
@@ -191,6 +191,21 @@ def differences_table(pairs: Sequence[PairedDifference]) -> str:
         lines.append(f"| {pair.setting} − {pair.baseline} | {', '.join(map(str, pair.seeds))} | "
                      + " | ".join([*spreads, *ahead]) + " |")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def code_sentence(results: Sequence[RunResult]) -> str:
+    """Which code the runs ran on (their attempts' ``code``): one version, or each with its runs. A change
+    of the code that only rounds differently trains a run as differently as another seed does, so a table
+    says where its runs did not all run the same code."""
+    runs_of: dict[str, list[str]] = {}
+    for r in sorted(results, key=lambda r: (r.setting, r.seed)):
+        for code in dict.fromkeys(r.code):
+            runs_of.setdefault(code, []).append(f"{r.setting} seed {r.seed}")
+    if len(runs_of) == 1:
+        (code,) = runs_of
+        return f"*Code*: every run on {code}." if code != NOT_RECORDED else "*Code*: not recorded."
+    parts = [f"{code} ({', '.join(runs)})" for code, runs in runs_of.items()]
+    return "*Code* (of each run's attempts; another commit rounds differently, like another seed): " + "; ".join(parts) + "."
 
 
 def write_markdown(path: str, description: str, summaries: Sequence[SettingSummary], unfinished: Sequence[str],

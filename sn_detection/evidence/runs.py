@@ -31,6 +31,9 @@ AP_METRICS = {
 }
 
 
+NOT_RECORDED = "not recorded"
+
+
 @dataclass(frozen=True)
 class RunResult:
     """A finished run: what it was, its COCO AP (``AP_METRICS``) and its cost."""
@@ -50,6 +53,8 @@ class RunResult:
     weights: str | None = None  # the MODEL.WEIGHTS it started from; None: from scratch
     # the iterations its backbone pretrained where it stopped at a top-1 (PRETRAIN.STOP_TOP1); NaN otherwise
     backbone_iterations: float = math.nan
+    # the code of each attempt (``jobs.code_version``; NOT_RECORDED for attempts from before it was recorded)
+    code: tuple[str, ...] = ()
 
 
 def is_finished(folder: str, results_file: str) -> bool:
@@ -124,6 +129,7 @@ def read_result(folder: str, results_file: str, backbone_results_file: str | Non
         backbone_top1=float(backbone.get("val_top1", math.nan)),
         weights=weights,
         backbone_iterations=float(backbone["iterations"]) if "stop_top1" in backbone else math.nan,
+        code=tuple(attempt.get("code", NOT_RECORDED) for attempt in record["attempts"]),
     )
 
 

@@ -132,6 +132,7 @@ def test_tiny_sweep_writes_its_outputs_and_resumes(tmp_path, train_net_calls):
 
     table = (output_dir / "results.md").read_text()
     assert "| GN | GN | GN | – (none) | 1 |" in table and "| BN/GN | BN | GN | batch average (1) | 1 |" in table
+    assert f"*Code*: every run on {code_version()}." in table  # what the runs' records say they ran
     assert published.read_text() == table
     with open(output_dir / "results.csv") as f:
         rows = list(csv.DictReader(f))

@@ -13,13 +13,14 @@ from sn_detection.evidence import plots, report
 from sn_detection.evidence.runs import RunResult, loss_curve, read_result, write_record
 
 
-def result(setting, seed, box_ap, mask_ap, batch_average=0, wall_s=100.0, backbone_top1=math.nan, weights=None):
+def result(setting, seed, box_ap, mask_ap, batch_average=0, wall_s=100.0, backbone_top1=math.nan, weights=None,
+           code=("git a",)):  # fmt: skip
     backbone, _, head = setting.partition("/")
     metrics = {column: math.nan for column in ("box_AP50", "box_AP75", "mask_AP50", "mask_AP75")}
     metrics.update(box_AP=box_ap, mask_AP=mask_ap)
     metrics.update(box_AP50=2 * box_ap, mask_AP50=2 * mask_ap)
     return RunResult(setting, backbone, head or backbone, seed, 400, batch_average, metrics, wall_s, 0.25, 1.5, "x",
-                     backbone_top1, weights)  # fmt: skip
+                     backbone_top1, weights, code=code)  # fmt: skip
 
 
 RESULTS = [
@@ -131,6 +132,16 @@ def test_markdown_file_names_unfinished_runs(tmp_path):
     assert text.endswith("Failed or unfinished runs (left out above): DN seed 2\n")
 
 
+def test_the_code_the_runs_ran_is_one_version_or_each_with_its_runs():
+    assert report.code_sentence(RESULTS) == "*Code*: every run on git a."
+    mixed = [result("SN", 2, 1.0, 1.0, code=("git b",)), result("SN", 1, 1.0, 1.0, code=("not recorded", "git a")),
+             result("GN", 1, 1.0, 1.0)]  # fmt: skip
+    sentence = report.code_sentence(mixed)
+    assert sentence.startswith("*Code* (of each run's attempts;")
+    assert sentence.endswith(": git a (GN seed 1, SN seed 1); not recorded (SN seed 1); git b (SN seed 2).")
+    assert report.code_sentence([result("GN", 1, 1.0, 1.0, code=("not recorded",))]) == "*Code*: not recorded."
+
+
 def test_csv_has_every_run_then_mean_and_std(tmp_path):
     summaries = report.summarize(RESULTS, ["GN", "SN", "SN/GN"])
     path = tmp_path / "results.csv"
@@ -173,7 +184,8 @@ def test_a_run_folder_is_read(tmp_path):
     backbone.mkdir()
     (backbone / "pretrained.json").write_text(json.dumps({"val_top1": 68.25}))
     train_args = ["MODEL.WEIGHTS", "elsewhere.pth", "SEED", "3", "MODEL.WEIGHTS", str(backbone / "backbone.pth")]
-    write_run(tmp_path, rows, [{"wall_s": 30.0, "returncode": -9}, {"wall_s": 20.5, "returncode": 0}], train_args)
+    attempts = [{"wall_s": 30.0, "returncode": -9}, {"wall_s": 20.5, "returncode": 0, "code": "git c0de"}]
+    write_run(tmp_path, rows, attempts, train_args)
     with pytest.raises(ValueError, match="no finished run"):
         read_result(str(tmp_path), RESULTS_FILE)
     tasks = {"bbox": {"AP": 6.0, "AP50": 12.0, "AP75": 5.0}, "segm": {"AP": 4.0, "AP50": 9.0, "AP75": 3.0}}
@@ -185,6 +197,7 @@ def test_a_run_folder_is_read(tmp_path):
     expected = {"box_AP": 6.0, "box_AP50": 12.0, "box_AP75": 5.0, "mask_AP": 4.0, "mask_AP50": 9.0, "mask_AP75": 3.0}
     assert run.metrics == expected
     assert run.wall_s == 50.5 and run.s_per_iter == 0.5 and run.final_loss == 2.4
+    assert run.code == ("not recorded", "git c0de")  # the first attempt predates the record of the code
     assert loss_curve(str(tmp_path)) == [(19, 3.0), (39, 2.4)]
     # the backbone's top-1 from the file pretraining left beside the weights the run loaded (the last given)
     assert math.isnan(run.backbone_top1)
