@@ -6,8 +6,9 @@ A backbone job is one backbone of the cache (``sn_detection.pretraining.train.ca
 own: ``training/`` (the work folder, checkpointed every PRETRAIN.CHECKPOINT_PERIOD iterations, so that a
 job killed mid-way continues from its last checkpoint the next time; removed once the backbone is in the
 cache), ``pretrain.log`` (its output, appended by every attempt) and ``cell.json`` (what it makes, and
-every attempt: start, wall time, exit status, resumed or not, threads, code: ``code_version``). An attempt is recorded as it
-starts, so that one cut off with its parent still counts: its wall time ends at the log's last change.
+every attempt: start, wall time, exit status, resumed or not, threads, ``code_version``). An attempt is
+recorded as it starts, so that one cut off with its parent still counts: its wall time ends at the log's
+last change.
 
 Its subprocess is ``python -m sn_detection.engine.jobs --work-dir W --expect-cache C --norm N --config-file
 F [KEY VALUE ...]``: it loads the config as the parent did and refuses to train if its cache folder is

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -200,12 +201,13 @@ def code_sentence(results: Sequence[RunResult]) -> str:
     runs_of: dict[str, list[str]] = {}
     for r in sorted(results, key=lambda r: (r.setting, r.seed)):
         for code in dict.fromkeys(r.code):
-            runs_of.setdefault(code, []).append(f"{r.setting} seed {r.seed}")
-    if len(runs_of) == 1:
-        (code,) = runs_of
+            short = re.sub(r"\b([0-9a-f]{12})[0-9a-f]{28}\b", r"\1", code)  # a commit as people quote it
+            runs_of.setdefault(short, []).append(f"{r.setting} seed {r.seed}")
+    if len(runs_of) <= 1:
+        code = next(iter(runs_of), NOT_RECORDED)
         return f"*Code*: every run on {code}." if code != NOT_RECORDED else "*Code*: not recorded."
-    parts = [f"{code} ({', '.join(runs)})" for code, runs in runs_of.items()]
-    return "*Code* (of each run's attempts; another commit rounds differently, like another seed): " + "; ".join(parts) + "."
+    parts = "; ".join(f"{code} ({', '.join(runs)})" for code, runs in runs_of.items())
+    return f"*Code* (of each run's attempts; another commit rounds differently, like another seed): {parts}."
 
 
 def write_markdown(path: str, description: str, summaries: Sequence[SettingSummary], unfinished: Sequence[str],

@@ -140,6 +140,10 @@ def test_the_code_the_runs_ran_is_one_version_or_each_with_its_runs():
     assert sentence.startswith("*Code* (of each run's attempts;")
     assert sentence.endswith(": git a (GN seed 1, SN seed 1); not recorded (SN seed 1); git b (SN seed 2).")
     assert report.code_sentence([result("GN", 1, 1.0, 1.0, code=("not recorded",))]) == "*Code*: not recorded."
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    assert report.code_sentence([result("GN", 1, 1.0, 1.0, code=(f"git {commit} + changes",))]) == (
+        "*Code*: every run on git 0123456789ab + changes."
+    )  # a commit shortened as people quote it
 
 
 def test_csv_has_every_run_then_mean_and_std(tmp_path):
