@@ -30,7 +30,10 @@ Choices the paper leaves open, and how they are settled here:
 * Variances. MN's batch estimates are the float64 gate-weighted sums of the (n, c) summaries
   (``running.mode_sums``), whose <x^2>_k - <x>_k^2 keeps fp32 accuracy whatever the channels' means; MGN's
   <x^2>_k - <x>_k^2 is computed, with identical value and gradient, as the gate-weighted mean of
-  var + (mean - <x>_k)^2, which never cancels two large second moments.
+  var + (mean - <x>_k)^2, which never cancels two large second moments. MGN's <x>_k is the sample's
+  average over channels plus the gate-weighted mean of each channel's difference from it: the same
+  value, but its gradient with respect to the gates is a difference of means, so the gate weight's
+  gradient loses digits only in proportion to mean / spread.
 * MN clamps N_k at `_MIN_MODE_WEIGHT` so that a mode no sample chooses gives finite statistics and
   gradients; it then has almost no weight in the output anyway. MGN cannot do that: its K maps have
   equal weight, and a mode whose gates all underflow to 0 (large channel means make the gate logits
@@ -179,7 +182,12 @@ class ModeGroupNorm2d(MomentNormalizer):
         """Per-sample, per-mode gate-weighted mean and variance over the channels, (N, K) each, from the
         log-gates (N, C, K)."""
         share = torch.softmax(log_gates, dim=1)  # g_ck / C_k, see the module docstring
-        mode_mean = torch.einsum("nck,nc->nk", share, mean)
-        spread = (mean[:, :, None] - mode_mean[:, None, :]).square()
+        # the means relative to the sample's average (the shares sum to 1, so the value is the same): the
+        # gradient of a mode mean with respect to a share is then a difference of means, not a mean whose
+        # common part the softmax's backward would cancel, amplifying its rounding by mean / spread
+        reference = mean.mean(1, keepdim=True)
+        centred = mean - reference
+        mode_offset = torch.einsum("nck,nc->nk", share, centred)
+        spread = (centred[:, :, None] - mode_offset[:, None, :]).square()
         mode_var = torch.einsum("nck,nc->nk", share, var) + (share * spread).sum(1)
-        return mode_mean, mode_var
+        return reference + mode_offset, mode_var

@@ -68,11 +68,14 @@ tile by tile as weighted (count, mean, sum of squared deviations), in Chan's for
 non-negative; weighted means are taken relative to the largest log-weight (online softmax), so shares and
 gates keep their digits when gates underflow; every mean difference (mu - m, m - t) is formed per element.
 MN pools the running update's step t - running_mean as the weighted mean of m - running_mean (beside t
-itself), so the running estimates keep their digits when the means are large. The gates' gradients are
-differences between modes: per (n, c), each mode's term of G_g is taken relative to that of the sample's
-most likely mode (never a clamped one: its N_k >= 1 / K), and the softmax's backward divides by the
-gates' rounded sum, so that modes that agree contribute exactly 0 (as with one sample, whose modes are
-all that sample).
+itself), so the running estimates keep their digits when the means are large. MGN keeps each mode's mean
+relative to the sample's first channel mean m_n0 (it pools m - m_n0; stats hold mu_nk - m_n0), so that
+m - mu is a difference of small numbers: a mu rounded at the means' scale would shift every m - mu of a
+mode alike, which the shares' weighted sum does not cancel and the gate weight's gradient multiplies by
+the means. The gates' gradients are differences between modes: per (n, c), each mode's term of G_g is
+taken relative to that of the sample's most likely mode (never a clamped one: its N_k >= 1 / K), and the
+softmax's backward divides by the gates' rounded sum, so that modes that agree contribute exactly 0 (as
+with one sample, whose modes are all that sample).
 
 Programs and tiles. The (n, c, k) work runs on [BLOCK_N, BLOCK_C, BLOCK_K] register tiles of at most
 ``_TILE`` elements, the modes innermost (padded to BLOCK_K = next_pow2(K); ``MAX_MODES`` bounds K, larger K
@@ -417,6 +420,8 @@ if triton is not None:
         k_mask = ks < K
         gate_w = tl.load(gate_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
         gate_b = tl.load(gate_b_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        # the means relative to each sample's first channel mean: mu is kept as mu - ref (module docstring)
+        ref = tl.load(mean_ptr + rows * C, mask=row_mask, other=0.0)
 
         # each mode's share-weighted moments over the channels, pooled tile by tile
         top = tl.full([BLOCK_N, 1, BLOCK_K], float("-inf"), tl.float32)
@@ -431,7 +436,7 @@ if triton is not None:
             v = tl.load(var_ptr + offsets, mask=mask, other=0.0)
             log_g = tl.where(mask[:, :, None], _mgn_log_gates(m, gate_w, gate_b, k_mask), float("-inf"))
             w, top, factor = _online_weights(log_g, top, 1)
-            tile_count, tile_mean, tile_m2 = _tile_moments(w, m[:, :, None], v[:, :, None], 1)
+            tile_count, tile_mean, tile_m2 = _tile_moments(w, (m - ref[:, None])[:, :, None], v[:, :, None], 1)
             count, mu, m2, _ = _merge(count, mu, m2, factor, tile_count, tile_mean, tile_m2)
         top = tl.max(top, 1)
         count = tl.sum(count, 1)
@@ -453,17 +458,18 @@ if triton is not None:
             m = tl.load(mean_ptr + offsets, mask=mask, other=0.0)
             weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) / K
             beta = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            offset = tl.sum((mu[:, None, :] - m[:, :, None]) * r[:, None, :], 2)
+            offset = tl.sum((mu[:, None, :] - (m - ref[:, None])[:, :, None]) * r[:, None, :], 2)
             tl.store(scale_ptr + offsets, weight[None, :] * r_sum[:, None], mask=mask)
             tl.store(shift_ptr + offsets, beta[None, :] - weight[None, :] * offset, mask=mask)
 
     @triton.jit
-    def _mgn_gate_gradients(m, v, mask, mu, var, log_total, grad_mu, grad_var, gate_w, gate_b, k_mask):
-        # the shares s and the logits' gradients G_z (BLOCK_N, BLOCK_C, BLOCK_K) of the means m (BLOCK_N, BLOCK_C)
+    def _mgn_gate_gradients(m, ref, v, mask, mu, var, log_total, grad_mu, grad_var, gate_w, gate_b, k_mask):
+        # the shares s and the logits' gradients G_z (BLOCK_N, BLOCK_C, BLOCK_K) of the means m (BLOCK_N, BLOCK_C),
+        # with mu kept relative to ref (BLOCK_N)
         log_g = _mgn_log_gates(m, gate_w, gate_b, k_mask)
         valid = mask[:, :, None] & k_mask[None, None, :]
         share = tl.exp(tl.where(valid, log_g - log_total[:, None, :], float("-inf")))
-        d = m[:, :, None] - mu[:, None, :]
+        d = (m - ref[:, None])[:, :, None] - mu[:, None, :]
         grad_log = share * (grad_mu[:, None, :] * d + grad_var[:, None, :] * (v[:, :, None] + d * d - var[:, None, :]))
         g = tl.where(valid, tl.exp(log_g), 0.0)
         g_sum = tl.sum(g, 2)
@@ -498,6 +504,7 @@ if triton is not None:
             var = tl.load(stats_ptr + N * K + nk, mask=nk_mask, other=0.0)
             log_total = tl.load(stats_ptr + 2 * N * K + nk, mask=nk_mask, other=0.0)
             r = tl.where(k_mask[None, :], 1.0 / tl.sqrt(var + eps), 0.0)
+            ref = tl.load(mean_ptr + rows * C, mask=row_mask, other=0.0)  # mu is mu - ref (the forward's)
 
             # G_r and sum_c gamma S / K of these samples, over all channels
             grad_r = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -511,7 +518,8 @@ if triton is not None:
                 dot = tl.load(dot_ptr + offsets, mask=mask, other=0.0)
                 total = tl.load(total_ptr + offsets, mask=mask, other=0.0)
                 t_weight = tl.load(weight_ptr + tile, mask=tile_mask, other=0.0).to(tl.float32)[None, :] / K
-                e = (t_weight * dot)[:, :, None] - (t_weight * total)[:, :, None] * (mu[:, None, :] - m[:, :, None])
+                to_mode = mu[:, None, :] - (m - ref[:, None])[:, :, None]  # mu - m
+                e = (t_weight * dot)[:, :, None] - (t_weight * total)[:, :, None] * to_mode
                 grad_r += tl.sum(e, 1)
                 sum_s += tl.sum(t_weight * total, 1)
             grad_mu = -r * sum_s[:, None]
@@ -525,9 +533,9 @@ if triton is not None:
             dot = tl.load(dot_ptr + offsets, mask=mask, other=0.0)
             total = tl.load(total_ptr + offsets, mask=mask, other=0.0)
             share, grad_logit = _mgn_gate_gradients(
-                m, v, mask, mu, var, log_total, grad_mu, grad_var, gate_w, gate_b, k_mask
+                m, ref, v, mask, mu, var, log_total, grad_mu, grad_var, gate_w, gate_b, k_mask
             )
-            d = m[:, :, None] - mu[:, None, :]
+            d = (m - ref[:, None])[:, :, None] - mu[:, None, :]
             grad_m = tl.sum(share * (grad_mu[:, None, :] + 2.0 * grad_var[:, None, :] * d), 2)
             grad_m += tl.sum(grad_logit * gate_w[None, None, :], 2)
             grad_v = tl.sum(share * grad_var[:, None, :], 2)
@@ -545,7 +553,7 @@ if triton is not None:
                     m = tl.load(mean_ptr + offsets, mask=mask, other=0.0)
                     v = tl.load(var_ptr + offsets, mask=mask, other=0.0)
                     _, grad_logit = _mgn_gate_gradients(
-                        m, v, mask, mu, var, log_total, grad_mu, grad_var, gate_w, gate_b, k_mask
+                        m, ref, v, mask, mu, var, log_total, grad_mu, grad_var, gate_w, gate_b, k_mask
                     )
                     grad_gate_w += tl.sum(tl.sum(grad_logit * m[:, :, None], 1), 0)
                     grad_gate_b += tl.sum(tl.sum(grad_logit, 1), 0)

@@ -59,6 +59,25 @@ def test_fp32_is_as_accurate_as_batch_norm(name, ratio, training):
     assert gradient <= max(10 * bn_gradient, 1e-5), (gradient, bn_gradient)
 
 
+@pytest.mark.parametrize("ratio", [10, 100, 1e3])
+def test_mgn_gate_gradients_lose_digits_only_in_proportion_to_the_mean(ratio):
+    """MGN's gate logits are proportional to each channel's mean, so its gate weight's gradient (a sum of
+    the logits' gradients times those means) is conditioned by mean / spread; its fp32 error stays within
+    2e-4 of that ratio relative to the gradient's largest value (the mode means are taken relative to the
+    sample's average, so that the softmax's backward has no common part of the means to cancel)."""
+    layer, _ = layer_and_batch_norm("MGN", ratio)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 32, 9, 11, generator=generator) + ratio
+    grad_y = torch.randn(x.shape, generator=generator)
+    grads = []
+    for dtype in (torch.float32, torch.float64):
+        copied = copy.deepcopy(layer).to(dtype)
+        copied(x.to(dtype)).backward(grad_y.to(dtype))
+        grads.append(copied.gate.weight.grad.double())
+    error = ((grads[0] - grads[1]).abs().max() / grads[1].abs().max()).item()
+    assert error <= 2e-4 * ratio, error
+
+
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("name", NORM_NAMES)
 def test_second_derivatives_are_exact(name, training):
