@@ -33,7 +33,10 @@ Choices the paper leaves open, and how they are settled here:
   var + (mean - <x>_k)^2, which never cancels two large second moments. MGN's <x>_k is the sample's
   average over channels plus the gate-weighted mean of each channel's difference from it: the same
   value, but its gradient with respect to the gates is a difference of means, so the gate weight's
-  gradient loses digits only in proportion to mean / spread.
+  gradient loses digits only in proportion to mean / spread. MN takes each mode's term of the output
+  relative to that of the sample's most likely mode, and its gates' softmax in float64 (0 where a gate
+  underflows in fp32, as in the kernels), so that modes with like statistics give gates' gradients
+  that are differences, not a common part for the softmax's backward to cancel.
 * MN clamps N_k at `_MIN_MODE_WEIGHT` so that a mode no sample chooses gives finite statistics and
   gradients; it then has almost no weight in the output anyway. MGN cannot do that: its K maps have
   equal weight, and a mode whose gates all underflow to 0 (large channel means make the gate logits
@@ -105,9 +108,14 @@ class ModeNorm2d(MomentNormalizer, RunningMoments):
         training. (``min_mode_weight``: the floor of N_k; an argument because TorchScript reads no global
         float.)"""
         dtype = mean.dtype
-        gates = torch.softmax(self.gate_logits(mean), dim=1)
+        # The softmax in float64, where the gates' gradients from the float64 mode sums arrive (modes with
+        # like statistics give like gradients, whose common part its backward cancels), and 0 where the
+        # gate underflows in the statistics dtype, as in the kernels: such a mode has no batch estimate.
+        logits = self.gate_logits(mean)
+        gates64 = torch.softmax(logits.double(), dim=1) * (torch.softmax(logits, dim=1) > 0)
+        gates = gates64.to(dtype)
         if self.training and mean.shape[0] > 0:
-            sums = mode_sums(mean, var, gates * spatial_size)
+            sums = mode_sums(mean, var, gates64 * spatial_size)
             self._track(sums)
             mode_mean, mode_var = moments_from_sums(sums, min_mode_weight * spatial_size)
             mode_mean, mode_var = mode_mean.to(dtype), mode_var.to(dtype)
@@ -115,11 +123,17 @@ class ModeNorm2d(MomentNormalizer, RunningMoments):
             mode_mean, mode_var = self.running_mean.to(dtype), self.running_var.to(dtype)
         # The per-sample mixture over modes folds into one scale and shift per (n, c), centred at the
         # IN mean (``statistics``): sum_k g_nk (x - m_kc) inv_kc = (x - mean) * scale' - sum_k g_nk (m_kc - mean) inv_kc
+        # Each mode's term is taken relative to that of the sample's most likely mode (the gates sum to 1,
+        # so the value is the same): the gates' gradients are then differences between modes, which the
+        # softmax's backward does not have to cancel.
         inv_std = torch.rsqrt(mode_var + self.eps)
         weight = self.weight.to(dtype)
-        scale = weight * (gates @ inv_std)
         offsets = (mode_mean[None] - mean[:, None]) * inv_std  # (N, K, C)
-        shift = self.bias.to(dtype) - weight * torch.einsum("nk,nkc->nc", gates, offsets)
+        likeliest = gates.detach().argmax(1)
+        inv_ref, offset_ref = inv_std[likeliest], offsets[torch.arange(offsets.shape[0]), likeliest]  # (N, C)
+        scale = weight * (inv_ref + torch.einsum("nk,nkc->nc", gates, inv_std[None] - inv_ref[:, None]))
+        mixed_offset = offset_ref + torch.einsum("nk,nkc->nc", gates, offsets - offset_ref[:, None])
+        shift = self.bias.to(dtype) - weight * mixed_offset
         return scale, shift
 
     @torch.jit.unused
