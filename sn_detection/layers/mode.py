@@ -129,8 +129,9 @@ class ModeNorm2d(MomentNormalizer, RunningMoments):
         inv_std = torch.rsqrt(mode_var + self.eps)
         weight = self.weight.to(dtype)
         offsets = (mode_mean[None] - mean[:, None]) * inv_std  # (N, K, C)
-        likeliest = gates.detach().argmax(1)
-        inv_ref, offset_ref = inv_std[likeliest], offsets[torch.arange(offsets.shape[0]), likeliest]  # (N, C)
+        likeliest = gates.detach().argmax(1)  # (N,), on the gates' device: no index crosses to the host
+        inv_ref = inv_std[likeliest]  # (N, C)
+        offset_ref = offsets.gather(1, likeliest[:, None, None].expand(-1, 1, offsets.shape[2])).squeeze(1)
         scale = weight * (inv_ref + torch.einsum("nk,nkc->nc", gates, inv_std[None] - inv_ref[:, None]))
         mixed_offset = offset_ref + torch.einsum("nk,nkc->nc", gates, offsets - offset_ref[:, None])
         shift = self.bias.to(dtype) - weight * mixed_offset
