@@ -110,9 +110,9 @@ class ModeNorm2d(MomentNormalizer, RunningMoments):
         dtype = mean.dtype
         # The softmax in float64, where the gates' gradients from the float64 mode sums arrive (modes with
         # like statistics give like gradients, whose common part its backward cancels), and 0 where the
-        # gate underflows in the statistics dtype, as in the kernels: such a mode has no batch estimate.
-        logits = self.gate_logits(mean)
-        gates64 = torch.softmax(logits.double(), dim=1) * (torch.softmax(logits, dim=1) > 0)
+        # gate rounds to 0 in the statistics dtype, as in the kernels: such a mode has no batch estimate.
+        gates64 = torch.softmax(self.gate_logits(mean).double(), dim=1)
+        gates64 = gates64 * (gates64.to(dtype) > 0)
         gates = gates64.to(dtype)
         if self.training and mean.shape[0] > 0:
             sums = mode_sums(mean, var, gates64 * spatial_size)
