@@ -544,7 +544,8 @@ def describe(
         f"wall-clock times on {os.cpu_count()} CPU cores, noisy where other work shared the machine."
         + (" *Backbone top-1*, where known: the val top-1 of the pretrained backbone the runs started from (one "
            "figure where every seed started from the same one); *backbone iterations*, where a backbone stopped at "
-           "a top-1 (PRETRAIN.STOP_TOP1): the pretraining iterations it took." if finetuned else "")
+           "a top-1 (PRETRAIN.STOP_TOP1): the pretraining iterations it took; *short of the top-1*: backbones that "
+           "never reached it and trained their whole schedule." if finetuned else "")
     )
 
 

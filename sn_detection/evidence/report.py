@@ -23,9 +23,10 @@ from typing import Sequence
 
 from .runs import AP_METRICS, NOT_RECORDED, RunResult
 
-# What is averaged: the AP columns, then the cost, the end of the learning curve, the backbone's top-1 and
-# the iterations of a backbone stopped at a top-1.
-SUMMARY_COLUMNS = (*AP_METRICS, "wall_s", "s_per_iter", "final_loss", "backbone_top1", "backbone_iterations")
+# What is averaged: the AP columns, then the cost, the end of the learning curve, the backbone's top-1, the
+# iterations of a backbone stopped at a top-1 and the share of backbones that never reached theirs.
+SUMMARY_COLUMNS = (*AP_METRICS, "wall_s", "s_per_iter", "final_loss", "backbone_top1", "backbone_iterations",
+                   "backbone_short_of_stop")  # fmt: skip
 CSV_COLUMNS = ("kind", "setting", "backbone", "head", "batch_average", "seed", "runs", "iterations",
                *SUMMARY_COLUMNS, "folder")  # fmt: skip
 # markdown column -> summary column, for the value columns
@@ -138,13 +139,24 @@ def format_top1(mean: float, std: float) -> str:
     return f"{mean:.1f} %" if math.isnan(std) or std <= 1e-9 * max(1.0, abs(mean)) else f"{mean:.1f} ± {std:.1f} %"
 
 
-def format_iterations(mean: float, std: float) -> str:
-    return "–" if math.isnan(mean) else format_mean_std(mean, std, digits=0)
+def format_iterations(summary: SettingSummary) -> str:
+    """A stopped backbone's pretraining iterations over the seeds, and how many of its backbones never
+    reached the top-1 they were to stop at (those trained their whole schedule: not of that top-1)."""
+    mean, std = summary.mean["backbone_iterations"], summary.std["backbone_iterations"]
+    if math.isnan(mean):
+        return "–"
+    short_share = summary.mean["backbone_short_of_stop"]
+    short = 0 if math.isnan(short_share) else round(short_share * summary.runs)
+    if not short:
+        return format_mean_std(mean, std, digits=0)
+    which = "top-1 not reached" if summary.runs == 1 else f"{short} of {summary.runs} short of the top-1"
+    return f"{format_mean_std(mean, std, digits=0)} ({which})"
 
 
 def markdown_table(summaries: Sequence[SettingSummary]) -> str:
     """The table; a *backbone top-1* column where any setting started from a backbone of known top-1, and
-    a *backbone iterations* column where any backbone stopped at a top-1 (PRETRAIN.STOP_TOP1)."""
+    a *backbone iterations* column where any backbone stopped at a top-1 (PRETRAIN.STOP_TOP1), which says
+    where backbones never reached it."""
     top1 = any(not math.isnan(s.mean["backbone_top1"]) for s in summaries)
     stopped = any(not math.isnan(s.mean["backbone_iterations"]) for s in summaries)
     header = ["setting", "backbone", "FPN + heads", "test statistics", "runs", *(["backbone top-1"] if top1 else []),
@@ -159,7 +171,7 @@ def markdown_table(summaries: Sequence[SettingSummary]) -> str:
             statistics_label(s.batch_average),
             str(s.runs),
             *([format_top1(s.mean["backbone_top1"], s.std["backbone_top1"])] if top1 else []),
-            *([format_iterations(s.mean["backbone_iterations"], s.std["backbone_iterations"])] if stopped else []),
+            *([format_iterations(s)] if stopped else []),
             *values,
             f"{s.mean['s_per_iter']:.2f}",
             f"{s.mean['wall_s'] / 60:.1f}",

@@ -89,6 +89,21 @@ def test_the_backbone_iterations_column_is_there_where_a_backbone_stopped_at_a_t
     assert [line.split(" | ")[6] for line in lines[2:]] == ["300 ± 85", "–"]
 
 
+def test_the_table_says_where_a_backbone_never_reached_its_stop():
+    """A backbone that never reached its PRETRAIN.STOP_TOP1 trained its whole schedule: its iterations are
+    not those of that top-1, and the table says how many of a setting's backbones were short of it."""
+    def stopped(setting, seed, its, short):
+        run = result(setting, seed, 10.0, 8.0, backbone_top1=52.0)
+        return dataclasses.replace(run, backbone_iterations=its, backbone_short_of_stop=short)
+
+    runs = [stopped("SN", 1, 480.0, 0.0), stopped("SN", 2, 480.0, 0.0),
+            stopped("BN", 1, 720.0, 0.0), stopped("BN", 2, 840.0, 1.0), stopped("BN", 3, 840.0, 1.0),
+            stopped("MGN", 1, 840.0, 1.0)]  # fmt: skip
+    lines = report.markdown_table(report.summarize(runs, ["SN", "BN", "MGN"])).splitlines()
+    assert [line.split(" | ")[6] for line in lines[2:]] == [
+        "480 ± 0", "800 ± 69 (2 of 3 short of the top-1)", "840 (top-1 not reached)"]
+
+
 def test_settings_that_start_from_the_same_weights_are_compared_seed_by_seed(tmp_path):
     """Each seed draws its own backbone (its AP moves with it); the heads' difference is paired within it."""
     runs = [
@@ -208,8 +223,12 @@ def test_a_run_folder_is_read(tmp_path):
     assert read_result(str(tmp_path), RESULTS_FILE, "pretrained.json").backbone_top1 == 68.25
     assert math.isnan(read_result(str(tmp_path), RESULTS_FILE, "missing.json").backbone_top1)
     assert math.isnan(read_result(str(tmp_path), RESULTS_FILE, "pretrained.json").backbone_iterations)
-    (backbone / "pretrained.json").write_text(json.dumps({"val_top1": 52.5, "iterations": 360, "stop_top1": 52.0}))
-    assert read_result(str(tmp_path), RESULTS_FILE, "pretrained.json").backbone_iterations == 360
+    assert math.isnan(read_result(str(tmp_path), RESULTS_FILE, "pretrained.json").backbone_short_of_stop)
+    for reached in (True, False):
+        (backbone / "pretrained.json").write_text(json.dumps(
+            {"val_top1": 52.5, "iterations": 360, "stop_top1": 52.0, "stop_top1_reached": reached}))
+        stopped = read_result(str(tmp_path), RESULTS_FILE, "pretrained.json")
+        assert stopped.backbone_iterations == 360 and stopped.backbone_short_of_stop == float(not reached)
     assert run.weights == str(backbone / "backbone.pth")  # what pairs it with runs from the same backbone
 
 
