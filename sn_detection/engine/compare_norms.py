@@ -497,9 +497,10 @@ def config_label(config_file: str) -> str:
 
 def describe(
     cfg, config_file: str, runs: Sequence[RunSpec], backbones: Optional[tuple[str, dict]] = None,
-    backbone_seeds: bool = False,
+    backbone_seeds: bool = False, stop_top1: Optional[float] = None,
 ) -> str:
-    """The paragraph above the results table: what was trained and evaluated, and how to read it."""
+    """The paragraph above the results table: what was trained and evaluated, and how to read it;
+    ``stop_top1``: the top-1 ``--stop-top1`` put in place of the ``backbones`` file's."""
     config = config_label(config_file)
     seeds = sorted({run.seed for run in runs})
     iterations = sorted({run.iterations for run in runs})
@@ -518,7 +519,8 @@ def describe(
             path, best = backbones
             chosen = "; ".join(f"{norm}: " + ", ".join(f"{key} {value}" for key, value in overrides.items())
                                for norm, overrides in best.items())  # fmt: skip
-            init += f", each norm with its PRETRAIN setting in `{path}` (`tools/pretrain_grid.py`: {chosen})"
+            replaced = f", its PRETRAIN.STOP_TOP1 replaced by `--stop-top1 {stop_top1:g}`" if stop_top1 is not None else ""
+            init += f", each norm with its PRETRAIN setting in `{path}`{replaced} (`tools/pretrain_grid.py`: {chosen})"
         init += (
             "; each seed from a backbone pretrained with that seed (`--backbone-seeds`: the spread includes the "
             "backbone's draw)," if backbone_seeds else
@@ -528,6 +530,8 @@ def describe(
     title = "Norm settings compared on this machine"
     if finetuned and backbones:
         title = f"Norm settings finetuned from the backbones of `{os.path.basename(backbones[0])}`"
+        if stop_top1 is not None:
+            title += f", stopped at {stop_top1:g} % top-1"
     return (
         f"### {title} (`{tool}`, measured here)\n\n"
         f"Mask R-CNN R{cfg.MODEL.RESNETS.DEPTH}-FPN (`{config}`: {cfg.INPUT.MIN_SIZE_TEST} px inputs, FPN and "
@@ -622,6 +626,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         f"best.json; FrozenBN: BN's); default --output-dir then {DEFAULT_BEST_OUTPUT_DIR}",
     )  # fmt: skip
     parser.add_argument(
+        "--stop-top1", type=float, metavar="X",
+        help="with --backbones: every backbone stops at val top-1 X (PRETRAIN.STOP_TOP1) in place of the file's, "
+        "e.g. a common top-1 that every seed's backbone reaches; made without training where a cached run of "
+        "the same setting kept its evaluated models",
+    )  # fmt: skip
+    parser.add_argument(
         "--backbone-seeds", action="store_true",
         help="with --finetune: seed k finetunes a backbone pretrained with SEED k, so that the spread over seeds "
         "includes the backbone's (default: every seed finetunes the backbone of the config's SEED)",
@@ -639,6 +649,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.backbones and not args.finetune:
         parser.error("--backbones chooses the pretrained backbones of --finetune; add --finetune")
+    if args.stop_top1 is not None and not args.backbones:
+        parser.error("--stop-top1 replaces the PRETRAIN.STOP_TOP1 of --backbones' settings; add --backbones")
+    if args.stop_top1 is not None and not 0 < args.stop_top1 <= 100:
+        parser.error(f"--stop-top1 must be a top-1 in (0, 100] %, got {args.stop_top1:g}")
     if args.plan_only and args.report_only:
         parser.error("--plan-only prints what would run, --report-only writes what has run: give one")
     if args.backbone_seeds and not args.finetune:
@@ -648,6 +662,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if args.finetune:
             check_finetune_settings(args.settings)
         args.backbone_settings = read_backbone_settings(args.backbones) if args.backbones else None
+        if args.stop_top1 is not None:
+            args.backbone_settings = {norm: {**overrides, "PRETRAIN.STOP_TOP1": args.stop_top1}
+                                      for norm, overrides in args.backbone_settings.items()}  # fmt: skip
     except ValueError as error:
         parser.error(str(error))
     return args
@@ -682,7 +699,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"compare_norms: error: {error}") from None
     description = describe(cfg, args.config_file, runs,
                            (args.backbones, args.backbone_settings) if args.backbone_settings else None,
-                           args.backbone_seeds)  # fmt: skip
+                           args.backbone_seeds, args.stop_top1)  # fmt: skip
     if args.backbone_settings:
         # the grid made each norm's backbone of the config's SEED; --backbone-seeds' others are new
         for norm, config in per_norm.items():

@@ -90,6 +90,7 @@ from detectron2.config import CfgNode
 
 from .. import model_zoo
 from ..d2 import valid_norm_names
+from ..evidence.runs import reached_stop
 from ..pretraining.model import PRETRAINED_AS
 from ..pretraining.train import (
     LOG_PERIOD, METRICS_FILE, RESULTS_FILE, cached_backbone_folder, cached_backbone_path, is_cached,
@@ -487,12 +488,6 @@ def draws_markdown(draws: dict[str, dict[int, float]], settled: dict[str, dict])
         spread = f"{statistics.mean(found.values()):.1f} ± {statistics.stdev(found.values()):.1f} %"
         lines.append(f"| {norm} | {settled[norm]['setting']} | {values} | {spread} |")
     return "\n".join(lines) + "\n"
-
-
-def reached_stop(result: dict) -> bool:
-    """Whether a PRETRAIN.STOP_TOP1 backbone reached its X: at a periodic evaluation (it stopped there) or
-    at the final one, after its whole schedule."""
-    return result.get("stop_top1_reached", False) or result["val_top1"] >= result.get("stop_top1", math.inf)
 
 
 def equal_markdown(target: float, equal: dict[str, Cell], not_reached: Sequence[str], results: dict,

@@ -53,8 +53,8 @@ class RunResult:
     weights: str | None = None  # the MODEL.WEIGHTS it started from; None: from scratch
     # the iterations its backbone pretrained where it stopped at a top-1 (PRETRAIN.STOP_TOP1); NaN otherwise
     backbone_iterations: float = math.nan
-    # 1.0 where that backbone never reached its PRETRAIN.STOP_TOP1 (it trained its whole schedule), 0.0 where it
-    # did, NaN where it had no such stop: a float so that its mean over the seeds is the share short of it
+    # 1.0 where that backbone never reached its PRETRAIN.STOP_TOP1 (``reached_stop``), 0.0 where it did, NaN
+    # where it had no such stop: a float so that its mean over the seeds is the share short of it
     backbone_short_of_stop: float = math.nan
     # the code of each attempt (``jobs.code_version``; NOT_RECORDED for attempts from before it was recorded)
     code: tuple[str, ...] = ()
@@ -132,9 +132,15 @@ def read_result(folder: str, results_file: str, backbone_results_file: str | Non
         backbone_top1=float(backbone.get("val_top1", math.nan)),
         weights=weights,
         backbone_iterations=float(backbone["iterations"]) if "stop_top1" in backbone else math.nan,
-        backbone_short_of_stop=float(not backbone["stop_top1_reached"]) if "stop_top1" in backbone else math.nan,
+        backbone_short_of_stop=float(not reached_stop(backbone)) if "stop_top1" in backbone else math.nan,
         code=tuple(attempt.get("code", NOT_RECORDED) for attempt in record["attempts"]),
     )
+
+
+def reached_stop(results: dict) -> bool:
+    """Whether a backbone pretrained with PRETRAIN.STOP_TOP1 X reached X, by its results file: at a periodic
+    evaluation (it stopped there) or at the final one, after its whole schedule."""
+    return results.get("stop_top1_reached", False) or results["val_top1"] >= results.get("stop_top1", math.inf)
 
 
 def initial_weights(train_args: Sequence[str]) -> str | None:

@@ -17,7 +17,7 @@ import pytest
 
 from sn_detection.engine import compare_norms, jobs, pretrain_grid
 from sn_detection.engine.launch import load_cfg
-from sn_detection.engine.compare_norms import Setting
+from sn_detection.engine.compare_norms import Setting, parse_setting
 from sn_detection.engine.pretrain_grid import Cell, cell_cfg, iterations_to_reach, plan_cells, top1_curve
 from sn_detection.pretraining import train as pretraining_train
 from sn_detection.pretraining.train import cached_backbone, cached_backbone_folder, cached_backbone_path, pretrain
@@ -101,6 +101,36 @@ def test_backbones_needs_finetune_and_a_best_json(tmp_path, capsys):
     assert args.backbone_settings == {"BN": {"PRETRAIN.BASE_LR": 0.4}}
     assert args.output_dir == compare_norms.DEFAULT_BEST_OUTPUT_DIR
     assert compare_norms.parse_args(["--finetune"]).output_dir == compare_norms.DEFAULT_FINETUNE_OUTPUT_DIR
+
+
+def test_stop_top1_puts_one_target_in_place_of_the_files(tmp_path, capsys):
+    """--stop-top1 X: every norm's backbone of --backbones stops at X, its other PRETRAIN settings kept."""
+    (tmp_path / "equal.json").write_text(json.dumps({
+        "BN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_TOP1": 55.0, "PRETRAIN.EVAL_PERIOD": 120},
+        "GN": {"PRETRAIN.BASE_LR": 0.2, "PRETRAIN.EVAL_PERIOD": 120}}))  # fmt: skip
+    common = ["--finetune", "--backbones", str(tmp_path / "equal.json")]
+    args = compare_norms.parse_args([*common, "--stop-top1", "45"])
+    assert args.backbone_settings == {
+        "BN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_TOP1": 45.0, "PRETRAIN.EVAL_PERIOD": 120},
+        "GN": {"PRETRAIN.BASE_LR": 0.2, "PRETRAIN.EVAL_PERIOD": 120, "PRETRAIN.STOP_TOP1": 45.0}}  # fmt: skip
+    cfg = load_cfg(CONFIG, [])
+    configs = compare_norms.pretraining_configs(cfg, [parse_setting("FrozenBN/GN"), parse_setting("GN")],
+                                                args.backbone_settings)  # fmt: skip
+    assert {norm: (c.PRETRAIN.STOP_TOP1, c.PRETRAIN.BASE_LR) for norm, c in configs.items()} == {
+        "FrozenBN": (45.0, 0.1), "GN": (45.0, 0.2)}
+    runs = compare_norms.plan_runs(cfg, CONFIG, [parse_setting("GN")], [1], str(tmp_path / "sweep"),
+                                   backbones={("GN", 1): "backbone.pth"})  # fmt: skip
+    text = compare_norms.describe(cfg, CONFIG, runs, (str(tmp_path / "equal.json"), args.backbone_settings),
+                                  stop_top1=args.stop_top1)  # fmt: skip
+    assert text.startswith("### Norm settings finetuned from the backbones of `equal.json`, stopped at 45 % top-1")
+    assert "its PRETRAIN.STOP_TOP1 replaced by `--stop-top1 45`" in text
+    for arguments, problem in (
+        (["--finetune", "--stop-top1", "45"], "--stop-top1 replaces the PRETRAIN.STOP_TOP1 of --backbones' settings"),
+        ([*common, "--stop-top1", "0"], "--stop-top1 must be a top-1 in (0, 100] %, got 0"),
+    ):
+        with pytest.raises(SystemExit):
+            compare_norms.parse_args(arguments)
+        assert problem in capsys.readouterr().err
 
 
 def test_the_top1_curve_counts_iterations_trained_and_keeps_a_resumed_runs_latest(tmp_path):

@@ -224,11 +224,12 @@ def test_a_run_folder_is_read(tmp_path):
     assert math.isnan(read_result(str(tmp_path), RESULTS_FILE, "missing.json").backbone_top1)
     assert math.isnan(read_result(str(tmp_path), RESULTS_FILE, "pretrained.json").backbone_iterations)
     assert math.isnan(read_result(str(tmp_path), RESULTS_FILE, "pretrained.json").backbone_short_of_stop)
-    for reached in (True, False):
+    # reached at a periodic evaluation (it stopped), at the final one only (after its whole schedule), or not
+    for reached, top1, short in ((True, 52.5, 0.0), (False, 52.5, 0.0), (False, 51.5, 1.0)):
         (backbone / "pretrained.json").write_text(json.dumps(
-            {"val_top1": 52.5, "iterations": 360, "stop_top1": 52.0, "stop_top1_reached": reached}))
+            {"val_top1": top1, "iterations": 360, "stop_top1": 52.0, "stop_top1_reached": reached}))
         stopped = read_result(str(tmp_path), RESULTS_FILE, "pretrained.json")
-        assert stopped.backbone_iterations == 360 and stopped.backbone_short_of_stop == float(not reached)
+        assert stopped.backbone_iterations == 360 and stopped.backbone_short_of_stop == short
     assert run.weights == str(backbone / "backbone.pth")  # what pairs it with runs from the same backbone
 
 
