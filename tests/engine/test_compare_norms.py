@@ -49,6 +49,9 @@ def test_a_packaged_config_is_named_by_its_checkout_path(tmp_path):
     assert compare_norms.config_label(linked) == "configs/demo_compare_norms.yaml"
     elsewhere = str(tmp_path / "mine.yaml")
     assert compare_norms.config_label(elsewhere) == elsewhere
+    # the same config in another checkout of the package (a worktree at the commit a sweep runs)
+    worktree = tmp_path / "worktree" / "sn_detection" / "configs"
+    assert compare_norms.config_label(str(worktree / "demo_compare_norms.yaml")) == "configs/demo_compare_norms.yaml"
 
 
 @pytest.mark.parametrize("text", ["XN", "SN/GN/BN", "SN/", ""])
