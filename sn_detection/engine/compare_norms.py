@@ -488,12 +488,9 @@ def run_sweep(
 
 
 def config_label(config_file: str) -> str:
-    """How the table names ``config_file``: a config of the package's ``configs/`` as ``configs/NAME``
-    (the path in a checkout, where ``configs`` links to the package's), however it was reached, and so a
-    config of another checkout's package (a worktree at the commit a sweep runs); any other as given."""
-    relative = os.path.relpath(os.path.realpath(config_file), os.path.realpath(model_zoo.CONFIG_DIR))
-    if not relative.startswith(".."):
-        return "configs/" + relative.replace(os.sep, "/")
+    """How the table names ``config_file``: a config of a package's ``configs/`` as ``configs/NAME`` (the
+    path in a checkout, where ``configs`` links to the package's), however it was reached and whichever
+    checkout's package it is (a worktree at the commit a sweep runs); any other as given."""
     packaged = os.sep + os.path.join("sn_detection", "configs", "")
     _, found, name = os.path.realpath(config_file).rpartition(packaged)
     return "configs/" + name.replace(os.sep, "/") if found else config_file
