@@ -25,7 +25,8 @@ demo:
 # in a second environment with current torch and Triton (the reference stack's Triton 2.3.1 cannot
 # interpret them), with the layer tests that go through them there.
 KERNEL_TESTS := tests/kernels tests/layers/test_statistics.py tests/layers/test_edge_cases.py \
-	tests/layers/test_numerics.py::test_fp32_is_as_accurate_as_batch_norm
+	tests/layers/test_numerics.py::test_fp32_is_as_accurate_as_batch_norm \
+	tests/layers/test_call_plans.py::test_planned_calls_compute_what_a_layer_deciding_anew_computes
 
 # Test files run in parallel, one per CPU core up to 4 (pytest-xdist; a file's tests stay on one worker,
 # so a module fixture is built once); tests/conftest.py shares the cores between the workers' threads.

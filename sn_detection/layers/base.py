@@ -47,6 +47,16 @@ Freezing is derived, never stored: every entry point that builds a model with fr
 ``build_model``, ``DefaultPredictor``, a LazyConfig's ``instantiate``) gets frozen layers, with no step of
 ours after the build. A frozen layer takes no part in a batch average either (in evaluation mode it
 records nothing). Under TorchScript a scripted layer follows the mode it was scripted in.
+
+Call plans. What a layer's forward decides about its input (its path: kernels, closed forms or autograd;
+tiles, grids and the kernels' constants) depends on the input's shape, dtype, device and strides, on the
+training mode, and on little else; so it is decided on the first call with such an input and kept for the
+next ones (``call_plan``), which then skip the checks and the arithmetic: on a GPU a layer's host time is
+its step time. The plans hold no tensor. A layer keeps the plans of its ``_MAX_CALL_PLANS`` latest input
+signatures (a detector's RoI heads see a new RoI count every iteration; an evaluation, new image sizes);
+whatever else a path depends on (a running batch average, the process group of SyncSN) is in the key or
+clears the plans when it changes (``clear_call_plans``), as does moving or casting the layer. Copies and
+pickles of a layer start without plans.
 """
 
 from __future__ import annotations
@@ -62,6 +72,8 @@ from .options import Rule, check_num_channels, check_options
 IDENTITY_KEY = "_extra_state"  # where torch saves get_extra_state(), after the module's prefix
 _IDENTITY_SIZE = 256  # bytes; fixed forever, see the module docstring
 _NOT_IDENTITY = frozenset({"momentum", "init_groups", "init_batch_pool"})
+_MAX_CALL_PLANS = 16
+_PLANS = "_call_plans"  # the attribute that holds them, in the module's __dict__
 
 
 class NormBase(nn.Module):
@@ -73,6 +85,7 @@ class NormBase(nn.Module):
     # the parameters that choose statistics rather than scale and shift (the optimizer's gate rules)
     gate_parameters: ClassVar[tuple[str, ...]] = ()
     __jit_unused_properties__ = ["frozen"]  # TorchScript compiles properties otherwise
+    __jit_ignored_attributes__ = [_PLANS]  # the call plans: host-side Python, typed as nothing TorchScript has
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -142,6 +155,55 @@ class NormBase(nn.Module):
         if key in missing:  # weights without an identity load unchecked (module docstring)
             missing.remove(key)
 
+    # call plans -----------------------------------------------------------------------------------------
+
+    @torch.jit.unused
+    def call_plan(self, x: Tensor):
+        """The plan of this layer for inputs like ``x`` (module docstring): ``make_call_plan(x)``'s on the
+        first call with x's shape, dtype, device, strides, training mode and ``plan_context()``, kept for
+        the next ones."""
+        key = (x.shape, x.dtype, x.device, x.stride(), self.training, self.plan_context())
+        plans = self.__dict__.get(_PLANS)
+        if plans is None:
+            plans = self.__dict__[_PLANS] = {}
+        try:
+            return plans[key]
+        except KeyError:
+            pass
+        plan = self.make_call_plan(x)  # may raise (bad input): nothing is kept then
+        if len(plans) >= _MAX_CALL_PLANS:
+            del plans[next(iter(plans))]  # the oldest
+        plans[key] = plan
+        return plan
+
+    @torch.jit.unused
+    def make_call_plan(self, x: Tensor):
+        """What this layer decides for ``x`` and every input with the same key (``call_plan``); layers that
+        plan their calls define it."""
+        raise NotImplementedError(f"{type(self).__name__} does not plan its calls")
+
+    @torch.jit.unused
+    def plan_context(self):
+        """Whatever else a plan depends on, part of its key (None: nothing)."""
+        return None
+
+    def clear_call_plans(self) -> None:
+        """Forget the plans: what they depend on has changed."""
+        self.__dict__.pop(_PLANS, None)
+
+    def register_parameter(self, name: str, param) -> None:
+        self.clear_call_plans()  # a plan may have checked the parameter it replaces
+        super().register_parameter(name, param)
+
+    def _apply(self, *args, **kwargs):
+        self.clear_call_plans()  # devices and dtypes of the layer's tensors change
+        return super()._apply(*args, **kwargs)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop(_PLANS, None)
+        return state
+
     # freezing -------------------------------------------------------------------------------------------
 
     @property
@@ -168,12 +230,6 @@ class NormBase(nn.Module):
 
     def train(self, mode: bool = True) -> nn.Module:
         return super().train(mode and not self.frozen)
-
-    @torch.jit.unused
-    def _follow_freezing(self) -> None:
-        """Leave training mode if frozen: called by the forward, outside TorchScript."""
-        if self.training and self.frozen:
-            self.train(False)
 
 
 def _decode(state) -> str:

@@ -214,7 +214,7 @@ class DynamicNorm2d(MomentNormalizer, RunningMoments):
         return affine_from_moments(weight, bias, mean - mean_in, var, self.eps)
 
     @torch.jit.unused
-    def fused_statistics(self, x: Tensor) -> Optional[DynamicKernels]:
+    def fused_plan(self, x: Tensor) -> Optional[DynamicKernels]:
         if self._batch_average is not None or not passes.kernel_path(x):  # the batch average pools float64 sums
             return None
         return DynamicKernels(self, x) if DynamicKernels.applies(self, x) else None

@@ -386,21 +386,35 @@ if triton is not None:
 
 
 class DynamicKernels:
-    """DN's fused (N, C) kernels for one call on an (N, C, H, W) input (``fused.FusedStatistics``)."""
+    """DN's fused (N, C) kernels for inputs of one signature (``fused.FusedPlan``)."""
 
     def __init__(self, layer, x: Tensor):
-        self.layer = layer
         self.passes = MapPasses(x)
         n, c, h, w = x.shape
-        self.spatial = h * w
+        self.spatial = float(h * w)
         self.training = layer.training
-        # a batch of one value per channel moves the running mean only (``running``)
-        self.update_var = n * h * w > 1
-        self.num_levels = len(layer._gated_sizes)
-        self.odd = layer._subaxis_shape[-1]
+        levels = self.num_levels = len(layer._gated_sizes)
+        odd = layer._subaxis_shape[-1]
         # the per-sample kernels' tiles: [BLOCK_N samples of a program, BLOCK_C channels]
-        self.block_c = min(next_pow2(c), _MAX_CHUNK)
-        self.block_n = min(next_pow2(n), max(_TILE // self.block_c, 1))
+        block_c = min(next_pow2(c), _MAX_CHUNK)
+        block_n = min(next_pow2(n), max(_TILE // block_c, 1))
+        self.sample_grid = (cdiv(n, block_n),)
+        self.state_shape = (4 * levels + 4, n, c)
+        self.scratch_shape = (2 * levels + 2, n, c)
+        self.partial_shape = (n, levels + 1)
+        # a batch of one value per channel moves the running mean only (``running``)
+        self.forward_constants = dict(
+            NUM_LEVELS=levels, ODD=odd, BATCH_STATS=self.training, UPDATE_VAR=n * h * w > 1, BLOCK_N=block_n,
+            BLOCK_C=block_c,
+        )  # fmt: skip
+        self.levels_constants = dict(NUM_LEVELS=levels, ODD=odd, BLOCK_N=block_n, BLOCK_C=block_c)
+        block_l = next_pow2(levels + 1)
+        block_c = min(next_pow2(c), _MAX_BLOCK_C)
+        block_n = min(next_pow2(n), max(_TILE // max(block_c, block_l), 1))
+        self.channel_grid = (cdiv(c, block_c),)
+        self.batch_constants = dict(
+            NUM_LEVELS=levels, BATCH_STATS=self.training, BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_L=block_l
+        )
 
     @staticmethod
     def applies(layer, x: Tensor) -> bool:
@@ -409,50 +423,34 @@ class DynamicKernels:
         planes = 4 * len(layer._gated_sizes) + 4
         return planes * n * c < 2**31
 
-    def forward(self, mean: Tensor, var: Tensor):
-        layer = self.layer
+    def forward(self, layer, parameters, mean: Tensor, var: Tensor):
+        weight, bias, channel_gates, batch_gate = parameters
         n, c = mean.shape
         scale, shift = torch.empty_like(mean), torch.empty_like(mean)
-        state = mean.new_empty((4 * self.num_levels + 4, n, c))
-        gates = layer.channel_gates if self.num_levels else layer.batch_gate  # never read when there are none
-        launch(
-            _forward_kernel, (cdiv(n, self.block_n),),
-            mean, var, layer.weight, layer.bias, gates, layer.batch_gate,
-            layer.running_mean, layer.running_var, layer.num_batches_tracked, scale, shift, state,
-            n, c, layer.eps, layer.momentum,
-            NUM_LEVELS=self.num_levels, ODD=self.odd, BATCH_STATS=self.training, UPDATE_VAR=self.update_var,
-            BLOCK_N=self.block_n, BLOCK_C=self.block_c,
-        )  # fmt: skip
+        state = mean.new_empty(self.state_shape)
+        gates = channel_gates if self.num_levels else batch_gate  # never read when there are none
+        running = layer.running_buffers()
+        launch(_forward_kernel, self.sample_grid, mean, var, weight, bias, gates, batch_gate, *running, scale, shift,
+               state, n, c, layer.eps, layer.momentum, **self.forward_constants)  # fmt: skip
         if self.training:
-            written_in_place(layer.running_mean, layer.running_var, layer.num_batches_tracked)
+            written_in_place(*running)
         return scale, shift, (scale, state)
 
-    def backward(self, mean: Tensor, var: Tensor, saved, parameters, dot: Tensor, total: Tensor):
-        layer = self.layer
+    def backward(self, layer, parameters, mean: Tensor, var: Tensor, saved, dot: Tensor, total: Tensor):
         scale, state = saved
         _, _, channel_gates, batch_gate = parameters
         n, c = mean.shape
         levels = self.num_levels
         grads = [torch.empty_like(t) for t in parameters]
-        scratch = mean.new_empty((2 * levels + 2, n, c))
-        partial = mean.new_empty((n, levels + 1))
+        scratch = mean.new_empty(self.scratch_shape)
+        partial = mean.new_empty(self.partial_shape)
         p, q = torch.empty_like(mean), torch.empty_like(mean)
         gates = channel_gates if levels else batch_gate  # never read when there are none
         grad_gates = grads[2] if levels else grads[3]  # never written when there are none
-        launch(
-            _levels_backward_kernel, (cdiv(n, self.block_n),),
-            dot, total, scale, gates, state, scratch, partial, n, c, layer.eps,
-            NUM_LEVELS=levels, ODD=self.odd, BLOCK_N=self.block_n, BLOCK_C=self.block_c,
-        )  # fmt: skip
-        block_l = next_pow2(levels + 1)
-        block_c = min(next_pow2(c), _MAX_BLOCK_C)
-        block_n = min(next_pow2(n), max(_TILE // max(block_c, block_l), 1))
-        launch(
-            _batch_backward_kernel, (cdiv(c, block_c),),
-            dot, total, scale, batch_gate, state, scratch, partial, p, q, grads[0], grads[1], grad_gates, grads[3],
-            n, c, float(self.spatial), layer.eps,
-            NUM_LEVELS=levels, BATCH_STATS=self.training, BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_L=block_l,
-        )  # fmt: skip
+        launch(_levels_backward_kernel, self.sample_grid, dot, total, scale, gates, state, scratch, partial, n, c,
+               layer.eps, **self.levels_constants)  # fmt: skip
+        launch(_batch_backward_kernel, self.channel_grid, dot, total, scale, batch_gate, state, scratch, partial, p, q,
+               grads[0], grads[1], grad_gates, grads[3], n, c, self.spatial, layer.eps, **self.batch_constants)  # fmt: skip
         if not levels:  # no channel gate (C = 1): nothing uses the empty parameter, as autograd sees it
             grads[2] = None
         return scale, p, q, grads

@@ -4,7 +4,7 @@ form, between the four full-size passes.
 ``statistics.normalize_by_moments`` runs a layer's (N, C) statistics (LN and BN moments, mixtures, running
 statistics) as separate tensor operations and differentiates them with autograd: many small operations per
 forward and backward, each a kernel launch on a GPU, which costs host time whatever it computes. Here a
-layer with closed forms (``FusedStatistics``) runs as
+layer with closed forms (``FusedPlan``) runs as
 
     forward:   moments_and_residual(x) -> [mean, var] -> one step: scale, shift (and the running
                statistics) -> scale_shift(x)
@@ -38,21 +38,22 @@ from torch import Tensor
 from .running import replaying
 
 
-class FusedStatistics(Protocol):
-    """A layer's fused (N, C) kernels for one call: made by the layer's ``fused_statistics(x)``, which
-    decides the call's path once. ``passes`` are the full-size passes over x on that path
+class FusedPlan(Protocol):
+    """A layer's fused (N, C) kernels for inputs of one signature: made by the layer's ``fused_plan(x)``,
+    which decides the path once, and kept for the calls that follow (``base.NormBase.call_plan``). It
+    holds no tensor: the layer and its ``parameters`` (``parameter_tuple()``, in that order) come with
+    each call. ``passes`` are the full-size passes over such inputs on that path
     (``triton_kernels.MapPasses`` with Triton kernels, ``passes.TorchPasses`` with closed forms as tensor
     operations), for the forward and the backward alike."""
 
     passes: object
 
-    def forward(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
-        """(scale, shift) of the output (x - mean) * scale + shift from the IN moments (N, C), and the
-        tensors ``backward`` needs; records the running statistics in training."""
+    def forward(self, layer, parameters: Sequence[Tensor], mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor, object]:
+        """(scale, shift) of the output (x - mean) * scale + shift from the IN moments (N, C), and what
+        ``backward`` needs; records the running statistics in training."""
 
     def backward(
-        self, mean: Tensor, var: Tensor, saved: Sequence[Tensor], parameters: Sequence[Tensor], dot: Tensor,
-        total: Tensor,
+        self, layer, parameters: Sequence[Tensor], mean: Tensor, var: Tensor, saved, dot: Tensor, total: Tensor
     ) -> tuple[Tensor, Tensor, Tensor, list[Optional[Tensor]]]:
         """From D and S: (scale, p, q, gradients of the layer's ``parameters``, in their order), with
         grad_x = grad_y * scale + (x - mean) * p + q."""
@@ -64,40 +65,63 @@ def written_in_place(*tensors: Tensor) -> None:
     torch.autograd.graph.increment_version(tensors)
 
 
-def normalize(x: Tensor, kernels: FusedStatistics, parameters: Sequence[Tensor], replay) -> Tensor:
-    """The layer's output through its fused kernels: one autograd node when anything needs a gradient.
-    ``replay(x)`` is the layer's plain differentiable computation, for a backward with create_graph."""
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in parameters)):
-        return _FusedNormalize.apply(x, kernels, replay, *parameters)
-    with torch.no_grad():  # as in the autograd node
-        over = kernels.passes
-        mean, var = over.moments(x)
-        scale, shift, _ = kernels.forward(mean, var)
-        return over.scale_shift(x, scale, shift, mean)
+def any_requires_grad(parameters: Sequence[Tensor]) -> bool:
+    """Whether any of ``parameters`` requires a gradient (a layer none of whose parameters does is frozen)."""
+    for parameter in parameters:
+        if parameter.requires_grad:
+            return True
+    return False
+
+
+def normalize(layer, plan: FusedPlan, x: Tensor, parameters: Sequence[Tensor], trainable: bool) -> Tensor:
+    """The layer's output through its fused kernels: one autograd node when anything needs a gradient
+    (``trainable``: some parameter requires one). A backward under create_graph replays the layer's plain
+    differentiable computation, ``layer.replayed_forward(x)``."""
+    grad_enabled = torch.is_grad_enabled()
+    if grad_enabled and (trainable or x.requires_grad):
+        return _FusedNormalize.apply(x, layer, plan, *parameters)
+    if grad_enabled:  # nothing to differentiate (a frozen layer): the passes' no-grad forms
+        with torch.no_grad():
+            return _forward(layer, plan, x, parameters)
+    return _forward(layer, plan, x, parameters)
+
+
+def _forward(layer, plan: FusedPlan, x: Tensor, parameters: Sequence[Tensor]) -> Tensor:
+    over = plan.passes
+    mean, var = over.moments(x)
+    scale, shift, _ = plan.forward(layer, parameters, mean, var)
+    return over.scale_shift(x, scale, shift, mean)
 
 
 class _FusedNormalize(torch.autograd.Function):
+    """Saved for the backward: x and the parameters (``save_for_backward``: autograd checks that they are
+    unchanged), and the node's own (N, C) intermediates, which nothing else sees, as attributes."""
+
     @staticmethod
-    def forward(ctx, x: Tensor, kernels: FusedStatistics, replay, *parameters: Tensor):
-        over = kernels.passes  # the passes of this call, forward and backward
+    def forward(ctx, x: Tensor, layer, plan: FusedPlan, *parameters: Tensor):
+        over = plan.passes
         mean, var, residual = over.moments_and_residual(x)
-        scale, shift, saved = kernels.forward(mean, var)
-        ctx.save_for_backward(x, mean, var, residual, *saved, *parameters)
-        ctx.kernels, ctx.replay, ctx.num_saved, ctx.passes = kernels, replay, len(saved), over
+        scale, shift, saved = plan.forward(layer, parameters, mean, var)
+        ctx.save_for_backward(x, *parameters)
+        ctx.layer, ctx.plan, ctx.statistics = layer, plan, (mean, var, residual, saved)
         return over.scale_shift(x, scale, shift, mean)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        x, mean, var, residual, *rest = ctx.saved_tensors
-        saved, parameters = rest[: ctx.num_saved], rest[ctx.num_saved :]
-        needs_x, needs_parameters = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+        x, *parameters = ctx.saved_tensors
+        needs = ctx.needs_input_grad
         if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
-            grad_x, grad_parameters = replayed_gradients(ctx.replay, x, parameters, grad_y, needs_x, needs_parameters)
+            grad_x, grad_parameters = replayed_gradients(ctx.layer.replayed_forward, x, parameters, grad_y, needs[0], needs[3:])
             return (grad_x, None, None, *grad_parameters)
-        dot, total = ctx.passes.centered_dot_and_sum(grad_y, x, mean)
-        scale, p, q, grad_parameters = ctx.kernels.backward(mean, var, saved, parameters, dot, total)
-        grad_x = ctx.passes.grad_input(grad_y, x, scale, p, q, mean, residual) if needs_x else None
-        return (grad_x, None, None, *(g if needed else None for g, needed in zip(grad_parameters, needs_parameters)))
+        mean, var, residual, saved = ctx.statistics
+        plan = ctx.plan
+        over = plan.passes
+        dot, total = over.centered_dot_and_sum(grad_y, x, mean)
+        scale, p, q, grad_parameters = plan.backward(ctx.layer, parameters, mean, var, saved, dot, total)
+        grad_x = over.grad_input(grad_y, x, scale, p, q, mean, residual) if needs[0] else None
+        if not all(needs[3:]):
+            grad_parameters = [g if needed else None for g, needed in zip(grad_parameters, needs[3:])]
+        return (grad_x, None, None, *grad_parameters)
 
 
 def replayed_gradients(replay, x: Tensor, parameters: Sequence[Tensor], grad_y: Tensor, needs_x: bool, needs_parameters):

@@ -138,7 +138,7 @@ class ModeNorm2d(MomentNormalizer, RunningMoments):
         return scale, shift
 
     @torch.jit.unused
-    def fused_statistics(self, x: Tensor):
+    def fused_plan(self, x: Tensor):
         """MN's fused kernels (``mode_kernels.ModeKernels``), or None: during a batch average (its sums pool
         in float64) and for more than ``mode_kernels.MAX_MODES`` modes."""
         if self._batch_average is not None or not passes.kernel_path(x):
@@ -187,7 +187,7 @@ class ModeGroupNorm2d(MomentNormalizer):
         return scale, shift
 
     @torch.jit.unused
-    def fused_statistics(self, x: Tensor):
+    def fused_plan(self, x: Tensor):
         """MGN's fused kernels (``mode_kernels.ModeGroupKernels``), or None for more than
         ``mode_kernels.MAX_MODES`` modes."""
         return ModeGroupKernels.create(self, x) if passes.kernel_path(x) else None

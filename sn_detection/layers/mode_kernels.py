@@ -574,15 +574,21 @@ def _blocks(n: int, c: int, k: int, max_block_n: int, max_block_c: int = _MAX_BL
 
 
 class ModeKernels:
-    """MN's fused (N, C) kernels for one call on an (N, C, H, W) input (``fused.FusedStatistics``)."""
+    """MN's fused (N, C) kernels for inputs of one signature (``fused.FusedPlan``)."""
 
     def __init__(self, layer, x: Tensor, min_mode_weight: float):
-        self.layer = layer
         self.passes = MapPasses(x)
         n, c, h, w = x.shape
-        self.spatial = h * w
+        k = layer.num_modes
+        self.spatial = float(h * w)
         self.batch_stats = layer.training
         self.log_min_weight = math.log(min_mode_weight)
+        self.stats_size = n * k + k + 2 * k * c  # log g, log N_k, mu, var: what backward needs
+        block_n, block_k, block_c = _blocks(n, c, k, 64)
+        self.grid = (cdiv(c, block_c),)
+        self.constants = dict(
+            BATCH_STATS=self.batch_stats, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_C=block_c, num_warps=_NUM_WARPS
+        )
 
     @staticmethod
     def create(layer, x: Tensor, min_mode_weight: float) -> Optional["ModeKernels"]:
@@ -591,52 +597,45 @@ class ModeKernels:
             return None
         return ModeKernels(layer, x, min_mode_weight)
 
-    def forward(self, mean: Tensor, var: Tensor):
-        layer = self.layer
+    def forward(self, layer, parameters, mean: Tensor, var: Tensor):
+        weight, bias, gate_weight, gate_bias = parameters
         n, c = mean.shape
-        k = layer.num_modes
         scale, shift = torch.empty_like(mean), torch.empty_like(mean)
-        stats = mean.new_empty(n * k + k + 2 * k * c)  # log g, log N_k, mu, var: what backward needs
-        block_n, block_k, block_c = _blocks(n, c, k, 64)
-        launch(
-            _mn_forward_kernel, (cdiv(c, block_c),),
-            mean, var, layer.weight, layer.bias, layer.gate.weight, layer.gate.bias,
-            layer.running_mean, layer.running_var, layer.num_batches_tracked, scale, shift, stats,
-            n, c, k, layer.eps, layer.momentum, self.log_min_weight,
-            BATCH_STATS=self.batch_stats, UPDATE_RUNNING=self.batch_stats,
-            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_C=block_c, num_warps=_NUM_WARPS,
-        )  # fmt: skip
+        stats = mean.new_empty(self.stats_size)
+        running = layer.running_buffers()
+        launch(_mn_forward_kernel, self.grid, mean, var, weight, bias, gate_weight,
+               gate_bias, *running, scale, shift, stats, n, c, layer.num_modes, layer.eps, layer.momentum,
+               self.log_min_weight, UPDATE_RUNNING=self.batch_stats, **self.constants)  # fmt: skip
         if self.batch_stats:
-            written_in_place(layer.running_mean, layer.running_var, layer.num_batches_tracked)
+            written_in_place(*running)
         return scale, shift, (scale, stats)
 
-    def backward(self, mean: Tensor, var: Tensor, saved, parameters, dot: Tensor, total: Tensor):
-        layer = self.layer
+    def backward(self, layer, parameters, mean: Tensor, var: Tensor, saved, dot: Tensor, total: Tensor):
         scale, stats = saved
         weight, _, gate_weight, _ = parameters
         n, c = mean.shape
-        k = layer.num_modes
         p, q = torch.empty_like(mean), torch.empty_like(mean)
         grads = [torch.empty_like(t) for t in parameters]
-        block_n, block_k, block_c = _blocks(n, c, k, 64)
-        launch(
-            _mn_backward_kernel, (cdiv(c, block_c),),
-            mean, var, stats, dot, total, weight, gate_weight, p, q, *grads,
-            n, c, k, float(self.spatial), layer.eps, self.log_min_weight,
-            BATCH_STATS=self.batch_stats,
-            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_C=block_c, num_warps=_NUM_WARPS,
-        )  # fmt: skip
+        launch(_mn_backward_kernel, self.grid, mean, var, stats, dot, total, weight, gate_weight, p, q, *grads, n, c,
+               layer.num_modes, self.spatial, layer.eps, self.log_min_weight, **self.constants)  # fmt: skip
         return scale, p, q, grads
 
 
 class ModeGroupKernels:
-    """MGN's fused (N, C) kernels for one call on an (N, C, H, W) input (``fused.FusedStatistics``)."""
+    """MGN's fused (N, C) kernels for inputs of one signature (``fused.FusedPlan``)."""
 
     def __init__(self, layer, x: Tensor):
-        self.layer = layer
         self.passes = MapPasses(x)
         n, c, h, w = x.shape
-        self.spatial = h * w
+        k = layer.num_modes
+        self.spatial = float(h * w)
+        self.stats_size = 3 * n * k  # mu, var, L per (n, k): what backward needs
+        block_n, block_k, block_c = _blocks(n, c, k, 2, 256)
+        self.forward_grid = (cdiv(n, block_n),)
+        self.forward_constants = dict(BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_C=block_c, num_warps=_NUM_WARPS)
+        block_n, block_k, block_c = _blocks(n, c, k, 16)
+        self.backward_grid = (cdiv(c, block_c),)
+        self.backward_constants = dict(BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_C=block_c, num_warps=_NUM_WARPS)
 
     @staticmethod
     def create(layer, x: Tensor) -> Optional["ModeGroupKernels"]:
@@ -645,34 +644,20 @@ class ModeGroupKernels:
             return None
         return ModeGroupKernels(layer, x)
 
-    def forward(self, mean: Tensor, var: Tensor):
-        layer = self.layer
+    def forward(self, layer, parameters, mean: Tensor, var: Tensor):
         n, c = mean.shape
-        k = layer.num_modes
         scale, shift = torch.empty_like(mean), torch.empty_like(mean)
-        stats = mean.new_empty(3 * n * k)  # mu, var, L per (n, k): what backward needs
-        block_n, block_k, block_c = _blocks(n, c, k, 2, 256)
-        launch(
-            _mgn_forward_kernel, (cdiv(n, block_n),),
-            mean, var, layer.weight, layer.bias, layer.gate.weight, layer.gate.bias, scale, shift, stats,
-            n, c, k, layer.eps,
-            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_C=block_c, num_warps=_NUM_WARPS,
-        )  # fmt: skip
+        stats = mean.new_empty(self.stats_size)
+        launch(_mgn_forward_kernel, self.forward_grid, mean, var, *parameters, scale, shift, stats, n, c,
+               layer.num_modes, layer.eps, **self.forward_constants)  # fmt: skip
         return scale, shift, (scale, stats)
 
-    def backward(self, mean: Tensor, var: Tensor, saved, parameters, dot: Tensor, total: Tensor):
-        layer = self.layer
+    def backward(self, layer, parameters, mean: Tensor, var: Tensor, saved, dot: Tensor, total: Tensor):
         scale, stats = saved
         weight, _, gate_weight, gate_bias = parameters
         n, c = mean.shape
-        k = layer.num_modes
         p, q = torch.empty_like(mean), torch.empty_like(mean)
         grads = [torch.empty_like(t) for t in parameters]
-        block_n, block_k, block_c = _blocks(n, c, k, 16)
-        launch(
-            _mgn_backward_kernel, (cdiv(c, block_c),),
-            mean, var, stats, dot, total, weight, gate_weight, gate_bias, p, q, *grads,
-            n, c, k, float(self.spatial), layer.eps,
-            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_C=block_c, num_warps=_NUM_WARPS,
-        )  # fmt: skip
+        launch(_mgn_backward_kernel, self.backward_grid, mean, var, stats, dot, total, weight, gate_weight, gate_bias,
+               p, q, *grads, n, c, layer.num_modes, self.spatial, layer.eps, **self.backward_constants)  # fmt: skip
         return scale, p, q, grads

@@ -104,32 +104,38 @@ class TorchPasses:
         return grad_x.addcmul_(grad_y.to(scale.dtype), scale[:, :, None, None]).to(x.dtype)
 
 
-def over(x: Tensor):
-    """The passes for x and every tensor of its shape and layout in one call (x, grad_y): the Triton
-    kernels' (``triton_kernels.MapPasses``, x checked once) where ``uses_triton(x)``, else PyTorch's. (A
-    layer's fused path takes them from its kernels, which decided its path: ``fused.FusedStatistics``.)"""
-    return triton_kernels.MapPasses(x) if uses_triton(x) else TorchPasses
+# The passes for tensors from outside a layer's plan: the Triton kernels' (``triton_kernels.MapPasses``) where
+# ``uses_triton(x)``, with the (N, C) vectors checked; else PyTorch's. (A layer's fused path runs the passes
+# its plan chose: ``fused.FusedPlan``.)
 
 
 def moments(x: Tensor) -> tuple[Tensor, Tensor]:
     """The IN mean and biased variance (N, C) of x, in the statistics dtype, without autograd."""
-    return over(x).moments(x)
+    if uses_triton(x):
+        return triton_kernels.MapPasses(x).moments(x)
+    return TorchPasses.moments(x)
 
 
 def moments_and_residual(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``moments`` and each mean's residual (module docstring), without autograd."""
-    return over(x).moments_and_residual(x)
+    if uses_triton(x):
+        return triton_kernels.MapPasses(x).moments_and_residual(x)
+    return TorchPasses.moments_and_residual(x)
 
 
 def scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor) -> Tensor:
     """(x - center) * scale + shift with (N, C) scale, shift and center, computed in their dtype, returned
     in x's dtype as a new tensor that is no view."""
-    return over(x).scale_shift(x, scale, shift, center)
+    if uses_triton(x):
+        return triton_kernels.MapPasses(x).scale_shift(x, *triton_kernels.checked_vectors(scale, shift, center))
+    return TorchPasses.scale_shift(x, scale, shift, center)
 
 
 def centered_dot_and_sum(grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Tensor, Tensor]:
     """sum(grad_y * (x - center)) and sum(grad_y) over H*W per (n, c), in center's dtype, in one read."""
-    return over(x).centered_dot_and_sum(grad_y, x, center)
+    if uses_triton(x):
+        return triton_kernels.MapPasses(x).centered_dot_and_sum(grad_y, x, *triton_kernels.checked_vectors(center))
+    return TorchPasses.centered_dot_and_sum(grad_y, x, center)
 
 
 def grad_input(
@@ -137,7 +143,10 @@ def grad_input(
 ) -> Tensor:
     """grad_y * scale + (x - center - residual) * p + q with (N, C) vectors (no residual: 0), returned in x's
     dtype; one write."""
-    return over(x).grad_input(grad_y, x, scale, p, q, center, residual)
+    if uses_triton(x):
+        vectors = triton_kernels.checked_vectors(scale, p, q, center, *([] if residual is None else [residual]))
+        return triton_kernels.MapPasses(x).grad_input(grad_y, x, *vectors)
+    return TorchPasses.grad_input(grad_y, x, scale, p, q, center, residual)
 
 
 def like(grad_y: Tensor, x: Tensor) -> Tensor:

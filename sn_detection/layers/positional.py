@@ -17,12 +17,14 @@ kernel forward and two backward (``positional_kernels``); elsewhere, and under T
 operations, which are also the kernels' oracle in the tests.
 """
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from .base import NormBase
 from .options import POSITIVE
-from .positional_kernels import positional_norm, supports
+from .positional_kernels import PositionalKernels, positional_norm, supports
 from .statistics import check_input, stat_dtype
 
 
@@ -55,19 +57,31 @@ class PositionalNorm2d(NormBase):
         self.reset_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
-        check_input(x, self.num_channels)
         if torch.jit.is_scripting():
+            check_input(x, self.num_channels)
             return self._autograd_forward(x)
-        if supports(x, self.weight, self.bias):
-            return self._fused_forward(x)
+        return self._kernel_or_autograd_forward(x)
+
+    @torch.jit.unused
+    def _kernel_or_autograd_forward(self, x: Tensor) -> Tensor:
+        plan = self.call_plan(x)
+        if plan is not None:
+            weight, bias = self.parameter_tuple()
+            return positional_norm(self, plan, x, weight, bias)
         return self._autograd_forward(x)
 
     @torch.jit.unused
-    def _fused_forward(self, x: Tensor) -> Tensor:
-        """The Triton kernels (``positional_kernels``); a backward under create_graph replays the tensor
-        path with the very weight and bias of this call."""
-        weight, bias, eps = self.weight, self.bias, self.eps
-        return positional_norm(x, weight, bias, eps, lambda inp: _affine_pono(inp, weight, bias, eps))
+    def make_call_plan(self, x: Tensor) -> Optional[PositionalKernels]:
+        """The Triton kernels (``positional_kernels``) where they take x and the parameters; None (the
+        autograd path) elsewhere."""
+        check_input(x, self.num_channels)
+        return PositionalKernels(x) if supports(x, self.weight, self.bias) else None
+
+    @torch.jit.unused
+    def replayed_forward(self, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        """The layer in plain differentiable operations with the given weight and bias (those of the call a
+        backward under create_graph differentiates)."""
+        return _affine_pono(x, weight, bias, self.eps)
 
     def _autograd_forward(self, x: Tensor) -> Tensor:
         """The layer in tensor operations with autograd: the oracle of the kernels, and the path wherever

@@ -49,11 +49,13 @@ Nothing reads a value on the host: a training step can be captured in a CUDA gra
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from . import fused, passes
-from .triton_kernels import _check_same_layout, _layout, _output_like, cdiv, launch, next_pow2, tl, triton
+from .triton_kernels import _layout, _output_like, cdiv, launch, next_pow2, tl, triton
 
 _TILE = 2048  # elements of one [BLOCK_C, BLOCK_P] tile: 16 per thread at 4 warps
 _MAX_BLOCK_P = 128  # NCHW: contiguous pixels per program
@@ -197,98 +199,95 @@ def supports(x: Tensor, weight: Tensor, bias: Tensor) -> bool:
     )  # fmt: skip
 
 
-class _Plan:
-    """Tile shape and grid of one input's programs (module docstring, "Programs")."""
+class PositionalKernels:
+    """The kernels for inputs of one signature (``supports``): tile shape and grid of their programs (module
+    docstring, "Programs"), worked out once; a plan of the layer's calls (``base.NormBase.call_plan``) that
+    holds no tensor."""
 
-    def __init__(self, x: Tensor, channels_last: bool):
+    def __init__(self, x: Tensor):
+        channels_last = _layout(x, "x")
         n, c, h, w = x.shape
         self.c, self.hw, self.pixels = c, h * w, n * h * w
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         # a 1x1 map addresses memory alike in both layouts: the channels are contiguous
-        self.channels_last = channels_last or self.hw == 1
-        if self.channels_last:
-            self.block_c = min(next_pow2(c), _CHANNELS_LAST_BLOCK_C)
-            self.block_p = min(next_pow2(self.pixels), _TILE // self.block_c)
+        channels_last = channels_last or self.hw == 1
+        if channels_last:
+            block_c = min(next_pow2(c), _CHANNELS_LAST_BLOCK_C)
+            block_p = min(next_pow2(self.pixels), _TILE // block_c)
             self.hw_blocks = 1  # unused
-            self.programs = cdiv(self.pixels, self.block_p)
+            self.programs = cdiv(self.pixels, block_p)
         else:
-            self.block_p = min(next_pow2(self.hw), _MAX_BLOCK_P)
-            self.block_c = min(next_pow2(c), _TILE // self.block_p)
-            self.hw_blocks = cdiv(self.hw, self.block_p)
+            block_p = min(next_pow2(self.hw), _MAX_BLOCK_P)
+            block_c = min(next_pow2(c), _TILE // block_p)
+            self.hw_blocks = cdiv(self.hw, block_p)
             self.programs = n * self.hw_blocks
+        self.meta = {"CHANNELS_LAST": channels_last, "BLOCK_C": block_c, "BLOCK_P": block_p, "num_warps": _NUM_WARPS}
+        self.stats_shape = (3, self.pixels)
+        self.partial_shape = (self.programs, 2, c)
+        reduce_block_c = min(next_pow2(c), _REDUCE_BLOCK_C)
+        self.reduce_grid = (cdiv(c, reduce_block_c),)
+        self.reduce_meta = {"BLOCK_R": _REDUCE_BLOCK_R, "BLOCK_C": reduce_block_c, "num_warps": _NUM_WARPS}
 
-    def meta(self) -> dict:
-        return {"CHANNELS_LAST": self.channels_last, "BLOCK_C": self.block_c, "BLOCK_P": self.block_p,
-                "num_warps": _NUM_WARPS}  # fmt: skip
+    def forward(self, x: Tensor, weight: Tensor, bias: Tensor, eps: float, save: bool) -> tuple[Tensor, Tensor | None]:
+        """(y, stats): y in x's dtype and layout; stats the float32 (3, N * H * W) per-pixel (k, m, r) of the
+        module docstring when ``save``, else None. One launch."""
+        y = _output_like(x)
+        stats = x.new_empty(self.stats_shape, dtype=torch.float32) if save else None
+        launch(_forward_kernel, (self.programs,), x, y, stats if save else y, weight, bias, self.c, self.hw,
+               self.pixels, self.hw_blocks, float(eps), SAVE=save, **self.meta)  # fmt: skip
+        return y, stats
 
-
-def forward(x: Tensor, weight: Tensor, bias: Tensor, eps: float, save: bool) -> tuple[Tensor, Tensor | None]:
-    """(y, stats): y in x's dtype and layout; stats the float32 (3, N * H * W) per-pixel (k, m, r) of the
-    module docstring when ``save``, else None. One launch."""
-    plan = _Plan(x, _layout(x, "x"))
-    y = _output_like(x)
-    stats = torch.empty((3, plan.pixels), dtype=torch.float32, device=x.device) if save else None
-    launch(
-        _forward_kernel, (plan.programs,),
-        x, y, stats if save else y, weight, bias, plan.c, plan.hw, plan.pixels, plan.hw_blocks, float(eps),
-        SAVE=save, **plan.meta(),
-    )  # fmt: skip
-    return y, stats
-
-
-def backward(
-    grad_y: Tensor, x: Tensor, stats: Tensor, weight: Tensor, bias: Tensor, needs_x: bool, needs_parameters: bool
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """(grad_x, grad_weight, grad_bias), None where not needed; grad_y in x's layout. Two launches (one
-    when the parameters need no gradient)."""
-    plan = _Plan(x, _check_same_layout(grad_y, x))
-    grad_x = _output_like(x) if needs_x else None
-    partial = torch.empty((plan.programs, 2, plan.c), dtype=torch.float32, device=x.device)
-    # No FMA contraction: g - mean_c g must cancel exactly where a pixel's g are all equal (one channel,
-    # whose grad_x is 0), and a contracted gy * w - mean_c g leaves the product's rounding error, which r =
-    # eps^(-1/2) then magnifies
-    launch(
-        _backward_kernel, (plan.programs,),
-        grad_y, x, grad_x if needs_x else grad_y, stats, weight, partial, plan.c, plan.hw, plan.pixels,
-        plan.hw_blocks, NEEDS_X=needs_x, enable_fp_fusion=False, **plan.meta(),
-    )  # fmt: skip
-    if not needs_parameters:
-        return grad_x, None, None
-    grad_weight, grad_bias = torch.empty_like(weight), torch.empty_like(bias)
-    block_c = min(next_pow2(plan.c), _REDUCE_BLOCK_C)
-    launch(
-        _parameter_gradients_kernel, (cdiv(plan.c, block_c),),
-        partial, grad_weight, grad_bias, plan.programs, plan.c,
-        BLOCK_R=_REDUCE_BLOCK_R, BLOCK_C=block_c, num_warps=_NUM_WARPS,
-    )  # fmt: skip
-    return grad_x, grad_weight, grad_bias
+    def backward(
+        self, grad_y: Tensor, x: Tensor, stats: Tensor, weight: Tensor, bias: Tensor, needs_x: bool,
+        needs_parameters: bool,
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # fmt: skip
+        """(grad_x, grad_weight, grad_bias), None where not needed. Two launches (one when the parameters need
+        no gradient)."""
+        grad_y = grad_y.contiguous(memory_format=self.memory_format)
+        grad_x = _output_like(x) if needs_x else None
+        partial = stats.new_empty(self.partial_shape)
+        # No FMA contraction: g - mean_c g must cancel exactly where a pixel's g are all equal (one channel,
+        # whose grad_x is 0), and a contracted gy * w - mean_c g leaves the product's rounding error, which r =
+        # eps^(-1/2) then magnifies
+        launch(_backward_kernel, (self.programs,), grad_y, x, grad_x if needs_x else grad_y, stats, weight, partial,
+               self.c, self.hw, self.pixels, self.hw_blocks, NEEDS_X=needs_x, enable_fp_fusion=False,
+               **self.meta)  # fmt: skip
+        if not needs_parameters:
+            return grad_x, None, None
+        grad_weight, grad_bias = torch.empty_like(weight), torch.empty_like(bias)
+        launch(_parameter_gradients_kernel, self.reduce_grid, partial, grad_weight, grad_bias, self.programs, self.c,
+               **self.reduce_meta)  # fmt: skip
+        return grad_x, grad_weight, grad_bias
 
 
-def positional_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float, replay) -> Tensor:
-    """The layer's output through the kernels (x, weight, bias with ``supports``): one autograd node when
-    anything needs a gradient, else the one forward launch. ``replay(x)`` is the layer's plain
-    differentiable computation with these weight and bias, for a backward with create_graph."""
+def positional_norm(layer, plan: PositionalKernels, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """The layer's output through the kernels: one autograd node when anything needs a gradient, else the
+    one forward launch. A backward under create_graph replays the layer's plain differentiable computation
+    with this call's weight and bias (``layer.replayed_forward``)."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
-        return _PositionalNorm.apply(x, replay, weight, bias, eps)
-    return forward(x, weight, bias, eps, save=False)[0]
+        return _PositionalNorm.apply(x, layer, plan, weight, bias)
+    return plan.forward(x, weight, bias, layer.eps, save=False)[0]
 
 
 class _PositionalNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, replay, weight: Tensor, bias: Tensor, eps: float):
-        y, stats = forward(x, weight, bias, eps, save=True)
-        ctx.save_for_backward(x, stats, weight, bias)
-        ctx.replay = replay
+    def forward(ctx, x: Tensor, layer, plan: PositionalKernels, weight: Tensor, bias: Tensor):
+        y, stats = plan.forward(x, weight, bias, layer.eps, save=True)
+        ctx.save_for_backward(x, weight, bias)
+        ctx.layer, ctx.plan, ctx.stats = layer, plan, stats
         return y
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        x, stats, weight, bias = ctx.saved_tensors
-        needs_x, needs_weight, needs_bias = ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4]
+        x, weight, bias = ctx.saved_tensors
+        needs_x, _, _, needs_weight, needs_bias = ctx.needs_input_grad
         if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
+            replay = functools.partial(ctx.layer.replayed_forward, weight=weight, bias=bias)
             grad_x, (grad_weight, grad_bias) = fused.replayed_gradients(
-                ctx.replay, x, (weight, bias), grad_y, needs_x, (needs_weight, needs_bias)
+                replay, x, (weight, bias), grad_y, needs_x, (needs_weight, needs_bias)
             )
-            return grad_x, None, grad_weight, grad_bias, None
-        grad_y = passes.like(grad_y, x)
-        grad_x, grad_weight, grad_bias = backward(grad_y, x, stats, weight, bias, needs_x, needs_weight or needs_bias)
-        return (grad_x, None, grad_weight if needs_weight else None, grad_bias if needs_bias else None, None)
+            return grad_x, None, None, grad_weight, grad_bias
+        grad_x, grad_weight, grad_bias = ctx.plan.backward(
+            grad_y, x, ctx.stats, weight, bias, needs_x, needs_weight or needs_bias
+        )
+        return (grad_x, None, None, grad_weight if needs_weight else None, grad_bias if needs_bias else None)

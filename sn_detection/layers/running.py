@@ -162,6 +162,12 @@ class RunningMoments(NormBase):
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
         self._batch_average = None
 
+    def running_buffers(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(running_mean, running_var, num_batches_tracked)``, read from the buffer dict (module attribute
+        lookups cost a layer call a measurable share of its host time)."""
+        buffers = self._buffers
+        return buffers["running_mean"], buffers["running_var"], buffers["num_batches_tracked"]
+
     def _tracks_running_moments(self) -> bool:
         return "running_mean" in self._buffers
 
@@ -209,6 +215,7 @@ class RunningMoments(NormBase):
         """From now on, training-mode forwards pool their statistics instead of moving the running ones."""
         if self._tracks_running_moments():
             self._batch_average = MomentAccumulator()
+            self.clear_call_plans()  # the fused paths do not pool into it
 
     def finish_batch_average(self) -> None:
         """Store the statistics of every batch pooled since ``start_batch_average()`` and stop pooling."""
@@ -216,6 +223,7 @@ class RunningMoments(NormBase):
             return
         # leave averaging mode first, so that a failed finish does not leave the layer stuck in it
         accumulator, self._batch_average = self._batch_average, None
+        self.clear_call_plans()
         if accumulator is None:
             raise RuntimeError("finish_batch_average() called without start_batch_average()")
         sums = accumulator.pooled()

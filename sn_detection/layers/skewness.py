@@ -22,6 +22,8 @@ Choices the paper leaves open:
   BatchNorm's where it rounds to a few ulps: a property of phi_p, not of rounding in this code.
 """
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -74,18 +76,34 @@ class SkewnessReducedBatchNorm2d(RunningMoments):
         self.reset_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
-        check_input(x, self.num_channels)
         if torch.jit.is_scripting():
+            check_input(x, self.num_channels)
             return self._autograd_forward(x)
-        self._follow_freezing()
-        if passes.kernel_path(x) and x.numel() > 0 and self._batch_average is None:
-            return self._fused_forward(x)
+        return self._kernel_or_autograd_forward(x)
+
+    @torch.jit.unused
+    def _kernel_or_autograd_forward(self, x: Tensor) -> Tensor:
+        weight, bias = parameters = self.parameter_tuple()
+        if self.training and not any(p.requires_grad for p in parameters):  # frozen (``base``)
+            self.train(False)
+        plan = self.call_plan(x)
+        if plan is not None:
+            return skewness_reduced(self, plan, x, weight, bias)
         return self._autograd_forward(x)
 
     @torch.jit.unused
-    def _fused_forward(self, x: Tensor) -> Tensor:
-        kernels = SkewnessKernels(self, x)
-        return skewness_reduced(x, kernels, self.weight, self.bias, self._autograd_forward)
+    def make_call_plan(self, x: Tensor) -> Optional[SkewnessKernels]:
+        """The kernels (``skewness_kernels``) for non-empty inputs on the kernel path; None (the autograd path)
+        for the others and during a batch average (its sums pool in float64)."""
+        check_input(x, self.num_channels)
+        if passes.kernel_path(x) and x.numel() > 0 and self._batch_average is None:
+            return SkewnessKernels(self, x)
+        return None
+
+    @torch.jit.unused
+    def replayed_forward(self, x: Tensor) -> Tensor:
+        """The layer in plain differentiable operations: what a backward under create_graph differentiates."""
+        return self._autograd_forward(x)
 
     def _autograd_forward(self, x: Tensor) -> Tensor:
         """The layer in tensor operations with autograd: the oracle of the kernels, and the path wherever

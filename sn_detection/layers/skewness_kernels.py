@@ -29,11 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import fused, passes, triton_kernels
-from .triton_kernels import (
-    _check_same_layout, _layout, _output_like, _tile_of_program, _tile_offsets, _tile_shape, cdiv, launch, next_pow2, tl,
-    triton,
-)  # fmt: skip
+from . import fused, triton_kernels
+from .triton_kernels import _output_like, _tile_of_program, _tile_offsets, _tile_shape, cdiv, launch, next_pow2, tl, triton
 
 _BLOCK_N = 32
 _MAX_BLOCK_C = 64
@@ -206,107 +203,100 @@ def _blocks(c: int) -> int:
 
 
 class SkewnessKernels:
-    """BNSR's kernels for one call on a non-empty kernel-path input (module docstring)."""
+    """BNSR's kernels for non-empty kernel-path inputs of one signature (module docstring): a plan of the
+    layer's calls (``base.NormBase.call_plan``) that holds no tensor."""
 
     def __init__(self, layer, x: Tensor):
-        self.layer = layer
         self.batch_stats = layer.training
-        self.count = x.shape[0] * x.shape[2] * x.shape[3]
+        n, c, h, w = x.shape
+        self.count = n * h * w
         self.slope_at_zero = 1.0 if layer.p == 1 else 0.0  # ``skewness``: the slope's limit, finite
-        self.channels_last = _layout(x, "x")
+        self.moments = triton_kernels.MapPasses(x)  # its layout check: x's
+        self.channels_last = self.moments.channels_last
+        self.memory_format = self.moments.memory_format
+        block_c, block_hw = _tile_shape(c, h * w, self.channels_last)
+        c_blocks, hw_blocks = cdiv(c, block_c), cdiv(h * w, block_hw)
+        self.shape = (n, c, h * w, c_blocks, hw_blocks)
+        self.map_grid, self.reduce_grid = (n * c_blocks * hw_blocks,), (n * c_blocks,)
+        small_block_c = _blocks(c)
+        self.channel_grid = (cdiv(c, small_block_c),)
+        self.bessel = self.count / (self.count - 1) if self.count > 1 else 1.0
+        from_variance = not self.batch_stats
+        self.statistics_constants = dict(UPDATE_VAR=self.count > 1, BLOCK_N=_BLOCK_N, BLOCK_C=small_block_c)
+        self.map_constants = dict(
+            FROM_VARIANCE=from_variance, CHANNELS_LAST=self.channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw
+        )
+        self.slope_constants = dict(SLOPE_AT_ZERO=self.slope_at_zero, **self.map_constants)
+        self.coefficients_constants = dict(
+            FROM_VARIANCE=from_variance, BATCH_STATS=self.batch_stats, BLOCK_N=_BLOCK_N, BLOCK_C=small_block_c
+        )
 
-    def statistics(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def statistics(self, layer, x: Tensor) -> tuple[Tensor, Tensor]:
         """(mu, r) of the channels in training (moving the running statistics); in evaluation the running
         mean and variance, which the passes turn into r themselves."""
-        layer = self.layer
+        running_mean, running_var, tracked = running = layer.running_buffers()
         if not self.batch_stats:
-            return layer.running_mean, layer.running_var
-        mean, var = triton_kernels.moments(x)
+            return running_mean, running_var
+        mean, var = self.moments.moments(x)
         n, c = mean.shape
         mu, r = mean.new_empty(c), mean.new_empty(c)
-        block_c = _blocks(c)
-        bessel = self.count / (self.count - 1) if self.count > 1 else 1.0
-        launch(
-            _batch_statistics_kernel, (cdiv(c, block_c),),
-            mean, var, layer.running_mean, layer.running_var, layer.num_batches_tracked, mu, r,
-            n, c, layer.eps, layer.momentum, bessel,
-            UPDATE_VAR=self.count > 1, BLOCK_N=_BLOCK_N, BLOCK_C=block_c,
-        )  # fmt: skip
-        fused.written_in_place(layer.running_mean, layer.running_var, layer.num_batches_tracked)
+        launch(_batch_statistics_kernel, self.channel_grid, mean, var, *running, mu, r, n, c, layer.eps,
+               layer.momentum, self.bessel, **self.statistics_constants)  # fmt: skip
+        fused.written_in_place(*running)
         return mu, r
 
-    def _grid(self, x: Tensor):
-        n, c, h, w = x.shape
-        block_c, block_hw = _tile_shape(c, h * w, self.channels_last)
-        return n, c, h * w, block_c, block_hw, cdiv(c, block_c), cdiv(h * w, block_hw)
-
-    def forward(self, x: Tensor, mu: Tensor, r: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-        n, c, hw, block_c, block_hw, c_blocks, hw_blocks = self._grid(x)
+    def forward(self, layer, x: Tensor, mu: Tensor, r: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        n, c, hw, c_blocks, hw_blocks = self.shape
         y = _output_like(x)
-        launch(
-            _forward_kernel, (n * c_blocks * hw_blocks,),
-            x, y, mu, r, weight, bias, c, hw, c_blocks, hw_blocks, self.layer.eps, float(self.layer.p),
-            FROM_VARIANCE=not self.batch_stats, CHANNELS_LAST=self.channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw,
-        )  # fmt: skip
+        launch(_forward_kernel, self.map_grid, x, y, mu, r, weight, bias, c, hw, c_blocks, hw_blocks, layer.eps,
+               float(layer.p), **self.map_constants)  # fmt: skip
         return y
 
-    def backward(self, grad_y: Tensor, x: Tensor, mu: Tensor, r: Tensor, weight: Tensor, needs_x: bool):
-        self.channels_last = _check_same_layout(grad_y, x)
-        n, c, hw, block_c, block_hw, c_blocks, hw_blocks = self._grid(x)
-        eps, p, from_variance = self.layer.eps, float(self.layer.p), not self.batch_stats
-        sums = torch.empty((4, n, c), dtype=torch.float32, device=x.device)
-        launch(
-            _sums_kernel, (n * c_blocks,),
-            grad_y, x, mu, r, sums, n, c, hw, c_blocks, eps, p,
-            FROM_VARIANCE=from_variance, SLOPE_AT_ZERO=self.slope_at_zero, CHANNELS_LAST=self.channels_last,
-            BLOCK_C=block_c, BLOCK_HW=block_hw,
-        )  # fmt: skip
+    def backward(self, layer, grad_y: Tensor, x: Tensor, mu: Tensor, r: Tensor, weight: Tensor, needs_x: bool):
+        n, c, hw, c_blocks, hw_blocks = self.shape
+        grad_y = grad_y.contiguous(memory_format=self.memory_format)
+        eps, p = layer.eps, float(layer.p)
+        sums = x.new_empty((4, n, c), dtype=torch.float32)
+        launch(_sums_kernel, self.reduce_grid, grad_y, x, mu, r, sums, n, c, hw, c_blocks, eps, p,
+               **self.slope_constants)  # fmt: skip
         grad_weight, grad_bias = torch.empty_like(weight), torch.empty_like(weight)
         coefficients = sums.new_empty((3, c))
-        small_block_c = _blocks(c)
-        launch(
-            _coefficients_kernel, (cdiv(c, small_block_c),),
-            sums, mu, r, weight, grad_weight, grad_bias, coefficients, n, c, float(self.count), eps,
-            FROM_VARIANCE=from_variance, BATCH_STATS=self.batch_stats, BLOCK_N=_BLOCK_N, BLOCK_C=small_block_c,
-        )  # fmt: skip
+        launch(_coefficients_kernel, self.channel_grid, sums, mu, r, weight, grad_weight, grad_bias, coefficients, n,
+               c, float(self.count), eps, **self.coefficients_constants)  # fmt: skip
         grad_x = None
         if needs_x:
             grad_x = _output_like(x)
-            launch(
-                _grad_input_kernel, (n * c_blocks * hw_blocks,),
-                grad_y, x, grad_x, mu, r, coefficients, c, hw, c_blocks, hw_blocks, eps, p,
-                FROM_VARIANCE=from_variance, SLOPE_AT_ZERO=self.slope_at_zero, CHANNELS_LAST=self.channels_last,
-                BLOCK_C=block_c, BLOCK_HW=block_hw,
-            )  # fmt: skip
+            launch(_grad_input_kernel, self.map_grid, grad_y, x, grad_x, mu, r, coefficients, c, hw, c_blocks,
+                   hw_blocks, eps, p, **self.slope_constants)  # fmt: skip
         return grad_x, grad_weight, grad_bias
 
 
-def skewness_reduced(x: Tensor, kernels: SkewnessKernels, weight: Tensor, bias: Tensor, replay) -> Tensor:
-    """BNSR's output through its kernels: one autograd node when anything needs a gradient. ``replay(x)``
-    is the layer's plain differentiable computation, for a backward with create_graph."""
+def skewness_reduced(layer, plan: SkewnessKernels, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """BNSR's output through its kernels: one autograd node when anything needs a gradient. A backward under
+    create_graph replays the layer's plain differentiable computation, ``layer.replayed_forward(x)``."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
-        return _SkewnessReduced.apply(x, kernels, replay, weight, bias)
-    return kernels.forward(x, *kernels.statistics(x), weight, bias)
+        return _SkewnessReduced.apply(x, layer, plan, weight, bias)
+    return plan.forward(layer, x, *plan.statistics(layer, x), weight, bias)
 
 
 class _SkewnessReduced(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, kernels: SkewnessKernels, replay, weight: Tensor, bias: Tensor):
-        mu, r = kernels.statistics(x)
-        if not kernels.batch_stats:  # the running statistics, as they are now: saved, not read again later
+    def forward(ctx, x: Tensor, layer, plan: SkewnessKernels, weight: Tensor, bias: Tensor):
+        mu, r = plan.statistics(layer, x)
+        if not plan.batch_stats:  # the running statistics, as they are now: saved, not read again later
             mu, r = mu.clone(), r.clone()
-        ctx.save_for_backward(x, mu, r, weight, bias)
-        ctx.kernels, ctx.replay = kernels, replay
-        return kernels.forward(x, mu, r, weight, bias)
+        ctx.save_for_backward(x, weight, bias)
+        ctx.layer, ctx.plan, ctx.statistics = layer, plan, (mu, r)
+        return plan.forward(layer, x, mu, r, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        x, mu, r, weight, bias = ctx.saved_tensors
+        x, weight, bias = ctx.saved_tensors
+        needs = ctx.needs_input_grad
         if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
             grad_x, grad_parameters = fused.replayed_gradients(
-                ctx.replay, x, (weight, bias), grad_y, ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+                ctx.layer.replayed_forward, x, (weight, bias), grad_y, needs[0], needs[3:]
             )
             return (grad_x, None, None, *grad_parameters)
-        grad_y = passes.like(grad_y, x)
-        grad_x, grad_weight, grad_bias = ctx.kernels.backward(grad_y, x, mu, r, weight, ctx.needs_input_grad[0])
+        grad_x, grad_weight, grad_bias = ctx.plan.backward(ctx.layer, grad_y, x, *ctx.statistics, weight, needs[0])
         return grad_x, None, None, grad_weight, grad_bias

@@ -149,33 +149,51 @@ def check_input(x: Tensor, num_channels: int) -> None:
 
 class MomentNormalizer(NormBase):
     """A norm layer whose output is ``normalize_by_moments`` with its own
-    ``scale_and_shift(mean_in, var_in, spatial_size) -> (scale, shift)`` (centred at mean_in); a frozen
-    one normalizes as in evaluation (``base``)."""
+    ``scale_and_shift(mean_in, var_in, spatial_size) -> (scale, shift)`` (centred at mean_in), through its
+    fused kernels where it has them (``fused_plan``); a frozen one normalizes as in evaluation (``base``).
+    The path of a call is its plan (``base.NormBase.call_plan``): the fused kernels' plan, or None for the
+    autograd path."""
 
     def forward(self, x: Tensor) -> Tensor:
-        check_input(x, self.num_channels)
-        spatial_size = x.shape[2] * x.shape[3]
         if torch.jit.is_scripting():  # plain operations, see plain_moments
+            check_input(x, self.num_channels)
+            spatial_size = x.shape[2] * x.shape[3]
             mean, var = plain_moments(x)
             return plain_scale_shift(x, *self.scale_and_shift(mean, var, spatial_size), mean)
-        return self._normalize(x, spatial_size)
+        return self._normalize(x)
 
     @torch.jit.unused
-    def _normalize(self, x: Tensor, spatial_size: int) -> Tensor:
-        self._follow_freezing()
-        affine = functools.partial(self.scale_and_shift, spatial_size=spatial_size)
-        kernels = self.fused_statistics(x) if x.numel() > 0 else None
-        if kernels is not None:
-            replay = functools.partial(reference_normalize_by_moments, affine=affine)
-            return fused.normalize(x, kernels, self.parameter_tuple(), replay)
-        return normalize_by_moments(x, affine, self.parameter_tuple())
+    def _normalize(self, x: Tensor) -> Tensor:
+        parameters = self.parameter_tuple()
+        trainable = fused.any_requires_grad(parameters)
+        if self.training and not trainable:  # frozen (``base``)
+            self.train(False)
+        plan = self.call_plan(x)
+        if plan is not None:
+            return fused.normalize(self, plan, x, parameters, trainable)
+        return normalize_by_moments(x, self._affine(x), parameters)
 
     @torch.jit.unused
-    def fused_statistics(self, x: Tensor) -> Optional["fused.FusedStatistics"]:
-        """The layer's closed forms for the non-empty input ``x`` (``fused``): its Triton kernels where x is on
-        the kernel path (``passes.kernel_path``), its tensor-operation closed forms elsewhere if it has them;
-        None where neither applies, and the autograd path runs."""
+    def make_call_plan(self, x: Tensor) -> Optional["fused.FusedPlan"]:
+        check_input(x, self.num_channels)
+        return self.fused_plan(x) if x.numel() > 0 else None
+
+    @torch.jit.unused
+    def fused_plan(self, x: Tensor) -> Optional["fused.FusedPlan"]:
+        """The layer's closed forms for inputs like the non-empty ``x`` (``fused``): its Triton kernels where
+        x is on the kernel path (``passes.kernel_path``), its tensor-operation closed forms elsewhere if it
+        has them; None where neither applies, and the autograd path runs."""
         return None
+
+    @torch.jit.unused
+    def replayed_forward(self, x: Tensor) -> Tensor:
+        """The layer's output on x in plain differentiable operations (``reference_normalize_by_moments``):
+        what a backward under create_graph differentiates."""
+        return reference_normalize_by_moments(x, self._affine(x))
+
+    @torch.jit.unused
+    def _affine(self, x: Tensor) -> AffineFromMoments:
+        return functools.partial(self.scale_and_shift, spatial_size=x.shape[2] * x.shape[3])
 
 
 def reference_normalize_by_moments(x: Tensor, affine: AffineFromMoments) -> Tensor:

@@ -47,7 +47,7 @@ import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
 
 from . import passes
-from .fused import FusedStatistics
+from .fused import FusedPlan
 from .options import BOOLEAN, FRACTION, POSITIVE
 from .running import MomentSums, RunningMoments, group_sums, moments_from_sums
 from .statistics import MomentNormalizer, affine_from_moments, layer_moments
@@ -92,7 +92,7 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
         return affine_from_moments(self.weight, self.bias, offset, var, self.eps)
 
     @torch.jit.unused
-    def fused_statistics(self, x: Tensor) -> Optional[FusedStatistics]:
+    def fused_plan(self, x: Tensor) -> Optional[FusedPlan]:
         if self.use_bn and self._batch_average is not None:  # the batch average pools float64 sums
             return None
         return SwitchableKernels(self, x) if passes.kernel_path(x) else SwitchableClosedForms(self, x)
@@ -114,12 +114,18 @@ class SyncSwitchableNorm2d(SwitchableNorm2d):
     """SN whose BN branch pools statistics over all processes of the default process group."""
 
     @torch.jit.unused
-    def fused_statistics(self, x: Tensor) -> Optional[FusedStatistics]:
+    def fused_plan(self, x: Tensor) -> Optional[FusedPlan]:
         if not (self.training and self.use_bn and _several_processes()):
-            return super().fused_statistics(x)
+            return super().fused_plan(x)
         if self._batch_average is not None or not passes.kernel_path(x):  # the autograd path's all-reduce
             return None
         return SwitchableKernels(self, x, pooled=True)
+
+    @torch.jit.unused
+    def plan_context(self) -> bool:
+        """Whether the BN branch pools over several processes: a plan made before the process group was
+        initialized (or after it was destroyed) is not taken."""
+        return _several_processes()
 
     def _reduce(self, sums: MomentSums) -> MomentSums:
         if torch.jit.is_scripting():

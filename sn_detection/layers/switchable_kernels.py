@@ -420,119 +420,114 @@ def _blocks(n: int, c: int) -> tuple[int, int]:
 
 
 class SwitchableKernels:
-    """SN's fused (N, C) kernels for one call on an (N, C, H, W) input (``fused.FusedStatistics``); with
-    ``pooled``, SyncSN's across several processes, whose BN branch pools every process's sums."""
+    """SN's fused (N, C) kernels for inputs of one signature (``fused.FusedPlan``); with ``pooled``, SyncSN's
+    across several processes, whose BN branch pools every process's sums."""
 
     def __init__(self, layer, x: Tensor, pooled: bool = False):
-        self.layer = layer
         self.passes = MapPasses(x)
         n, c, h, w = x.shape
         self.spatial = h * w
         training = layer.training and layer.use_bn
         self.bn_source = (_POOLED if pooled else _BATCH) if training else _RUNNING
+        block_n, block_c = _blocks(n, c)
+        self.grid = (cdiv(c, block_c),)
+        self.stats_size = 3 * n + 3 * c  # what backward needs: k_ln, d_ln, var_ln (N each), k_bn, d_bn, var_bn (C each)
+        constants = dict(NUM_BRANCHES=3 if layer.use_bn else 2, BLOCK_N=block_n, BLOCK_C=block_c)
         # a batch of one value per channel moves the running mean only (``running``); pooled sums know
         # their count on the device
-        self.update_var = pooled or n * h * w > 1
-
-    def forward(self, mean: Tensor, var: Tensor):
-        layer = self.layer
-        n, c = mean.shape
-        scale, shift = torch.empty_like(mean), torch.empty_like(mean)
-        # what backward needs: k_ln, d_ln, var_ln (N each), k_bn, d_bn, var_bn (C each)
-        stats = mean.new_empty(3 * n + 3 * c)
-        running = (layer.running_mean, layer.running_var, layer.num_batches_tracked) if layer.use_bn else (mean,) * 3
-        block_n, block_c = _blocks(n, c)
-        pooled = mean  # read only with BN_SOURCE == POOLED
-        if self.bn_source == _POOLED:
-            pooled = self._pooled_sums(mean, var, block_n, block_c)
-        launch(
-            _forward_kernel, (cdiv(c, block_c),),
-            mean, var, layer.weight, layer.bias, layer.mean_weight, layer.var_weight, *running, pooled, scale, shift,
-            stats, n, c, layer.eps, layer.momentum,
-            NUM_BRANCHES=3 if layer.use_bn else 2, BN_SOURCE=self.bn_source,
-            UPDATE_RUNNING=self.bn_source != _RUNNING, UPDATE_VAR=self.update_var, BLOCK_N=block_n, BLOCK_C=block_c,
+        self.forward_constants = dict(
+            BN_SOURCE=self.bn_source, UPDATE_RUNNING=self.bn_source != _RUNNING, UPDATE_VAR=pooled or n * h * w > 1,
+            **constants,
         )  # fmt: skip
+        self.backward_constants = dict(BN_GRAD=self.bn_source, **constants)
+        self.sums_constants = dict(BLOCK_N=block_n, BLOCK_C=block_c)
+
+    def forward(self, layer, parameters, mean: Tensor, var: Tensor):
+        n, c = self.passes.vector_shape
+        scale, shift = torch.empty_like(mean), torch.empty_like(mean)
+        stats = mean.new_empty(self.stats_size)
+        running = layer.running_buffers() if layer.use_bn else (mean,) * 3
+        pooled = self._pooled_sums(mean, var) if self.bn_source == _POOLED else mean  # read only when pooled
+        launch(_forward_kernel, self.grid, mean, var, *parameters, *running, pooled, scale, shift, stats, n, c,
+               layer.eps, layer.momentum, **self.forward_constants)  # fmt: skip
         if self.bn_source != _RUNNING:
             written_in_place(*running)
         return scale, shift, (scale, stats, pooled)
 
-    def _pooled_sums(self, mean: Tensor, var: Tensor, block_n: int, block_c: int) -> Tensor:
+    def _pooled_sums(self, mean: Tensor, var: Tensor) -> Tensor:
         """Every process's float64 [count, sum of x, sum of x^2] of each channel, added up: the tensor, and
         the collective, of ``SyncSwitchableNorm2d._reduce``, so that a process whose batch is empty (it runs
         the autograd path) takes part in the same all-reduce."""
         n, c = mean.shape
         pooled = mean.new_empty(2 * c + 1, dtype=torch.float64)
-        launch(_pooled_sums_kernel, (cdiv(c, block_c),), mean, var, pooled, n, c, self.spatial,
-               BLOCK_N=block_n, BLOCK_C=block_c)  # fmt: skip
+        launch(_pooled_sums_kernel, self.grid, mean, var, pooled, n, c, self.spatial, **self.sums_constants)
         dist.all_reduce(pooled)
         return pooled
 
-    def backward(self, mean: Tensor, var: Tensor, saved, parameters, dot: Tensor, total: Tensor):
-        layer = self.layer
+    def backward(self, layer, parameters, mean: Tensor, var: Tensor, saved, dot: Tensor, total: Tensor):
         scale, stats, pooled = saved
         weight, _, mean_weight, var_weight = parameters
-        n, c = mean.shape
+        n, c = self.passes.vector_shape
         p, q = torch.empty_like(mean), torch.empty_like(mean)
         grads = [torch.empty_like(t) for t in parameters]
-        block_n, block_c = _blocks(n, c)
         arguments = [mean, var, stats, dot, total, weight, mean_weight, var_weight, pooled]
-        constants = dict(NUM_BRANCHES=3 if layer.use_bn else 2, BLOCK_N=block_n, BLOCK_C=block_c)
-        grad_pooled, bn_grad = mean, self.bn_source
-        if bn_grad == _POOLED:  # this process's gradient of the pooled sums, added up as the autograd path does
+        grad_pooled = mean  # read only when pooled
+        if self.bn_source == _POOLED:  # this process's gradient of the pooled sums, added up as the autograd path does
             grad_pooled = torch.empty_like(pooled)
-            launch(_backward_kernel, (cdiv(c, block_c),), *arguments, grad_pooled, p, q, *grads, n, c,
-                   float(self.spatial), layer.eps, BN_GRAD=_POOLED_SUMS, **constants)  # fmt: skip
+            constants = dict(self.backward_constants, BN_GRAD=_POOLED_SUMS)
+            launch(_backward_kernel, self.grid, *arguments, grad_pooled, p, q, *grads, n, c, float(self.spatial),
+                   layer.eps, **constants)  # fmt: skip
             dist.all_reduce(grad_pooled)
-        launch(_backward_kernel, (cdiv(c, block_c),), *arguments, grad_pooled, p, q, *grads, n, c,
-               float(self.spatial), layer.eps, BN_GRAD=bn_grad, **constants)  # fmt: skip
+        launch(_backward_kernel, self.grid, *arguments, grad_pooled, p, q, *grads, n, c, float(self.spatial),
+               layer.eps, **self.backward_constants)  # fmt: skip
         return scale, p, q, grads
 
 
 class SwitchableClosedForms:
-    """SN's closed forms as tensor operations, for one call on an (N, C, H, W) input (``fused.FusedStatistics``;
-    the module docstring's equations, in the statistics dtype)."""
+    """SN's closed forms as tensor operations, for inputs of one signature (``fused.FusedPlan``; the module
+    docstring's equations, in the statistics dtype)."""
+
+    passes = TorchPasses
 
     def __init__(self, layer, x: Tensor):
-        self.layer = layer
-        self.passes = TorchPasses
         n, _, h, w = x.shape
         self.spatial = h * w
         self.batch_stats = layer.training and layer.use_bn
         self.update_var = n * h * w > 1
 
-    def forward(self, mean: Tensor, var: Tensor):
-        layer = self.layer
-        a, b = torch.softmax(torch.stack([layer.mean_weight, layer.var_weight]).to(mean.dtype), 1)
+    def forward(self, layer, parameters, mean: Tensor, var: Tensor):
+        weight, bias, mean_weight, var_weight = parameters
+        a, b = torch.softmax(torch.stack([mean_weight, var_weight]).to(mean.dtype), 1)
         mu_ln = mean.mean(1, keepdim=True)
         to_ln = mu_ln - mean
         var_ln = var.mean(1, keepdim=True) + to_ln.square().mean(1, keepdim=True)
         offset, mixed = a[1] * to_ln, b[0] * var + b[1] * var_ln
         to_bn = var_bn = mean.new_zeros(())
         if layer.use_bn:
+            running_mean, running_var, _ = running = layer.running_buffers()
             if self.batch_stats:
                 mu_bn = mean.mean(0)
                 to_bn = mu_bn - mean
                 var_bn = var.mean(0) + to_bn.square().mean(0)
-                self._track(mu_bn, var_bn)
+                self._track(layer, running, mu_bn, var_bn)
             else:
-                to_bn = layer.running_mean.to(mean.dtype) - mean
-                var_bn = layer.running_var.to(mean.dtype)
+                to_bn = running_mean.to(mean.dtype) - mean
+                var_bn = running_var.to(mean.dtype)
             offset, mixed = offset + a[2] * to_bn, mixed + b[2] * var_bn
         r = torch.rsqrt(mixed + layer.eps)
-        scale = layer.weight.to(mean.dtype) * r
-        shift = layer.bias.to(mean.dtype) - offset * scale
+        scale = weight.to(mean.dtype) * r
+        shift = bias.to(mean.dtype) - offset * scale
         return scale, shift, (scale, r, offset, to_ln, var_ln, to_bn, var_bn, a, b)
 
-    def _track(self, mean: Tensor, var: Tensor) -> None:
-        layer = self.layer
-        layer.running_mean.lerp_(mean.to(layer.running_mean.dtype), layer.momentum)
+    def _track(self, layer, running, mean: Tensor, var: Tensor) -> None:
+        running_mean, running_var, tracked = running
+        running_mean.lerp_(mean.to(running_mean.dtype), layer.momentum)
         if self.update_var:  # a batch of one value per channel has no spread to record
-            layer.running_var.lerp_(var.to(layer.running_var.dtype), layer.momentum)
-        layer.num_batches_tracked.add_(1)
+            running_var.lerp_(var.to(running_var.dtype), layer.momentum)
+        tracked.add_(1)
 
-    def backward(self, mean: Tensor, var: Tensor, saved, parameters, dot: Tensor, total: Tensor):
+    def backward(self, layer, parameters, mean: Tensor, var: Tensor, saved, dot: Tensor, total: Tensor):
         scale, r, offset, to_ln, var_ln, to_bn, var_bn, a, b = saved
-        weight, bias, mean_weight, var_weight = parameters
         n, c = mean.shape
         e = dot - total * offset
         g = -0.5 * e * scale * r.square()
@@ -543,7 +538,7 @@ class SwitchableClosedForms:
         # -(a_ln + a_bn) H - scale S = a_in H, as H = -scale S
         grad_m = a[0] * h + (a[1] * row_h - 2 * b[1] * row_g * to_ln) / c
         grad_v = b[0] * g + b[1] * row_g / c
-        if self.layer.use_bn:
+        if layer.use_bn:
             grad_a.append((h * to_bn).sum())
             grad_b.append((g * var_bn).sum())
             if self.batch_stats:

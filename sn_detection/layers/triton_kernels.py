@@ -68,6 +68,7 @@ import os
 import torch
 from torch import Tensor
 
+
 try:
     import triton
     import triton.language as tl
@@ -75,7 +76,10 @@ except ImportError:  # the caller checks available() and keeps its PyTorch path
     triton = None
     tl = None
 
-__all__ = ["available", "cdiv", "interpreting", "launch", "next_pow2", "MapPasses", "moments", "scale_shift", "centered_dot_and_sum", "grad_input"]
+__all__ = [
+    "available", "cdiv", "checked_vectors", "interpreting", "launch", "next_pow2", "MapPasses", "moments", "scale_shift",
+    "centered_dot_and_sum", "grad_input",
+]  # fmt: skip
 
 # triton.jit reads TRITON_INTERPRET when the kernels below are decorated, i.e. at import: the same moment
 # is recorded here, to tell whether CPU tensors can be run.
@@ -340,17 +344,25 @@ def _tile_shape(c: int, hw: int, channels_last: bool) -> tuple[int, int]:
 
 
 def _output_like(x: Tensor) -> Tensor:
-    # x's very strides (it is dense, in one of the two layouts): the kernels address output and input alike
-    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    # x's very strides: x is dense (in one of the two layouts), and empty_like keeps a dense tensor's strides;
+    # the kernels address output and input alike
+    return torch.empty_like(x)
+
+
+def checked_vectors(*vectors: Tensor) -> list[Tensor]:
+    """(N, C) vectors from outside a layer's plan (autograd may hand over an expanded one), made contiguous;
+    refused unless float32, which the kernels read them as."""
+    if any(v.dtype != torch.float32 for v in vectors):
+        raise ValueError(f"the per-map vectors must be float32, got {[v.dtype for v in vectors]}")
+    return [v.contiguous() for v in vectors]
 
 
 class MapPasses:
-    """The four passes over inputs of x's shape and layout, x checked once (``_layout``) and the tiles and
-    grids worked out once. A layer's call builds one and runs its passes through it: its (N, C)
-    vectors are its own float32 ones and grad_y is the gradient of an output shaped like x, so the passes
-    check neither but the vectors' dtype: they take the vectors contiguous (autograd may hand over an
-    expanded one) and grad_y in x's layout (made so if needed). The module's functions check every
-    argument, then run the same passes. It holds no tensor."""
+    """The four passes over inputs of x's shape and layout, x checked once (``_layout``) and the tiles,
+    grids and constants worked out once: a layer's plan keeps one for all its calls with such inputs
+    (``fused``). Its (N, C) vectors are float32 and contiguous, as the layer's kernels make them (the
+    module's functions and ``passes``' check outside vectors first: ``checked_vectors``); grad_y is taken
+    in x's layout (made so if needed: autograd may hand over another). It holds no tensor."""
 
     def __init__(self, x: Tensor):
         _require_triton()
@@ -361,35 +373,38 @@ class MapPasses:
         self.c_blocks, self.hw_blocks = cdiv(c, self.block_c), cdiv(h * w, self.block_hw)
         self.memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
         self.empty = n * c == 0 or h * w == 0
+        self.vector_shape = (n, c)
+        self.reduce_grid = (n * self.c_blocks,)  # the reductions: one program per (sample, channel block)
+        self.map_grid = (n * self.c_blocks * self.hw_blocks,)  # the elementwise passes: one per tile
+        self.meta = dict(CHANNELS_LAST=self.channels_last, BLOCK_C=self.block_c, BLOCK_HW=self.block_hw,
+                         num_warps=_NUM_WARPS)  # fmt: skip
 
-    @staticmethod
-    def _vectors(*vectors: Tensor) -> list[Tensor]:
-        """The (N, C) vectors, contiguous; refused unless float32, which the kernels read them as."""
-        if any(v.dtype != torch.float32 for v in vectors):
-            raise ValueError(f"the per-map vectors must be float32, got {[v.dtype for v in vectors]}")
-        return [v.contiguous() for v in vectors]
+    def _map_vectors(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Three float32 (N, C) tensors for a reduction's results: to be written in full, or zeros where the
+        maps are empty (their sums, and so their mean and variance, are 0, like passes.torch_moments')."""
+        first = x.new_empty(self.vector_shape, dtype=torch.float32)
+        if self.empty:
+            return first.zero_(), torch.zeros_like(first), torch.zeros_like(first)
+        return first, torch.empty_like(first), torch.empty_like(first)
 
-    def _meta(self) -> dict:
-        return dict(CHANNELS_LAST=self.channels_last, BLOCK_C=self.block_c, BLOCK_HW=self.block_hw, num_warps=_NUM_WARPS)
-
-    def _map_vectors(self, x: Tensor, count: int = 2) -> tuple[Tensor, ...]:
-        """``count`` float32 (N, C) tensors for a reduction's results: to be written in full, or zeros where
-        the maps are empty (their sums, and so their mean and variance, are 0, like passes.torch_moments')."""
-        allocate = torch.zeros if self.empty else torch.empty
-        return tuple(allocate((self.n, self.c), dtype=torch.float32, device=x.device) for _ in range(count))
+    def _map_vector_pair(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        first = x.new_empty(self.vector_shape, dtype=torch.float32)
+        if self.empty:
+            return first.zero_(), torch.zeros_like(first)
+        return first, torch.empty_like(first)
 
     def moments(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        mean, var = self._map_vectors(x)
+        mean, var = self._map_vector_pair(x)
         if not self.empty:
-            launch(_moments_kernel, (self.n * self.c_blocks,), x, mean, var, mean, self.c, self.hw, self.c_blocks,
-                   HAS_RESIDUAL=False, **self._meta())  # fmt: skip
+            launch(_moments_kernel, self.reduce_grid, x, mean, var, mean, self.c, self.hw, self.c_blocks,
+                   HAS_RESIDUAL=False, **self.meta)  # fmt: skip
         return mean, var
 
     def moments_and_residual(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        mean, var, residual = self._map_vectors(x, 3)
+        mean, var, residual = self._map_vectors(x)
         if not self.empty:
-            launch(_moments_kernel, (self.n * self.c_blocks,), x, mean, var, residual, self.c, self.hw, self.c_blocks,
-                   HAS_RESIDUAL=True, **self._meta())  # fmt: skip
+            launch(_moments_kernel, self.reduce_grid, x, mean, var, residual, self.c, self.hw, self.c_blocks,
+                   HAS_RESIDUAL=True, **self.meta)  # fmt: skip
         return mean, var, residual
 
     def scale_shift(self, x: Tensor, scale: Tensor, shift: Tensor, center: Tensor | None = None) -> Tensor:
@@ -397,20 +412,19 @@ class MapPasses:
         if self.empty:
             return y
         has_center = center is not None
-        scale, shift, center = self._vectors(scale, shift, center if has_center else scale)  # else a placeholder
-        launch(_scale_shift_kernel, (self.n * self.c_blocks * self.hw_blocks,),
-            x, y, scale, shift, center, self.c, self.hw, self.c_blocks, self.hw_blocks,
-            HAS_CENTER=has_center, **self._meta(),
+        launch(_scale_shift_kernel, self.map_grid,
+            x, y, scale, shift, center if has_center else scale, self.c, self.hw, self.c_blocks, self.hw_blocks,
+            HAS_CENTER=has_center, **self.meta,
         )  # fmt: skip
         return y
 
     def centered_dot_and_sum(self, grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Tensor, Tensor]:
-        dot, total = self._map_vectors(x)
+        dot, total = self._map_vector_pair(x)
         if self.empty:
             return dot, total
-        grad_y, (center,) = grad_y.contiguous(memory_format=self.memory_format), self._vectors(center)
-        launch(_centered_dot_and_sum_kernel, (self.n * self.c_blocks,),
-            grad_y, x, center, dot, total, self.c, self.hw, self.c_blocks, **self._meta(),
+        grad_y = grad_y.contiguous(memory_format=self.memory_format)
+        launch(_centered_dot_and_sum_kernel, self.reduce_grid,
+            grad_y, x, center, dot, total, self.c, self.hw, self.c_blocks, **self.meta,
         )  # fmt: skip
         return dot, total
 
@@ -423,10 +437,9 @@ class MapPasses:
             return grad_x
         grad_y = grad_y.contiguous(memory_format=self.memory_format)
         has_residual = residual is not None
-        scale, p, q, center, residual = self._vectors(scale, p, q, center, residual if has_residual else center)
-        launch(_grad_input_kernel, (self.n * self.c_blocks * self.hw_blocks,),
-            grad_y, x, grad_x, scale, p, q, center, residual, self.c, self.hw, self.c_blocks, self.hw_blocks,
-            HAS_RESIDUAL=has_residual, **self._meta(),
+        launch(_grad_input_kernel, self.map_grid,
+            grad_y, x, grad_x, scale, p, q, center, residual if has_residual else center, self.c, self.hw,
+            self.c_blocks, self.hw_blocks, HAS_RESIDUAL=has_residual, **self.meta,
         )  # fmt: skip
         return grad_x
 

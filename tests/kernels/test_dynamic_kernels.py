@@ -209,6 +209,6 @@ def test_a_training_step_is_seven_launches_without_syncs():
 def test_the_batch_average_keeps_the_autograd_path():
     layer = make_layer(16, "on", batch_pool=True)
     x, _ = make_input((2, 16, 2, 2))
-    assert layer.fused_statistics(x) is not None
+    assert layer.call_plan(x) is not None
     layer.start_batch_average()
-    assert layer.fused_statistics(x) is None
+    assert layer.call_plan(x) is None

@@ -111,13 +111,15 @@ def test_half_precision_inputs_are_read_directly_and_match_the_fp32_computation(
     assert_same(half, full, TOLERANCE[dtype])
 
 
-def test_the_passes_of_a_call_refuse_vectors_the_kernels_would_misread():
+def test_vectors_from_outside_a_plan_are_checked_before_the_kernels_read_them():
+    # a layer's plan passes its own float32 vectors; the autograd path's go through ``passes``, which checks them
     x = torch.randn(2, 3, 4, 5).to(DEVICE)
-    over = passes.triton_kernels.MapPasses(x)
     vector, wide = torch.ones(2, 3, device=DEVICE), torch.ones(2, 3, dtype=torch.float64, device=DEVICE)
-    with pytest.raises(ValueError, match="float32"):
-        over.scale_shift(x, vector, wide, vector)
-    with pytest.raises(ValueError, match="float32"):
-        over.grad_input(x, x, vector, vector, vector, wide)
-    center = torch.ones(3, device=DEVICE).expand(2, 3)  # stride 0 along N, as autograd may hand over
-    torch.testing.assert_close(over.scale_shift(x, 2 * vector, vector, center), (x - 1) * 2 + 1)
+    with torch.no_grad():
+        assert passes.uses_triton(x)
+        with pytest.raises(ValueError, match="float32"):
+            passes.scale_shift(x, vector, wide, vector)
+        with pytest.raises(ValueError, match="float32"):
+            passes.grad_input(x, x, vector, vector, vector, wide)
+        center = torch.ones(3, device=DEVICE).expand(2, 3)  # stride 0 along N, as autograd may hand over
+        torch.testing.assert_close(passes.scale_shift(x, 2 * vector, vector, center), (x - 1) * 2 + 1)

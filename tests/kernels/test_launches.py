@@ -32,11 +32,25 @@ def features(layout=torch.contiguous_format, n=2):
     return x.to(DEVICE).contiguous(memory_format=layout), grad_y.to(DEVICE).contiguous(memory_format=layout)
 
 
+# allocations per training step: each is a call into the allocator, host time on a GPU (the (N, C) vectors,
+# the parameters' gradients, the output and grad_x)
+ALLOCATIONS = {"SN": 16, "SyncSN": 16, "MGN": 16, "MN": 16, "DN": 18, "BNSR": 10, "PONO": 6}
+
+
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
 @pytest.mark.parametrize("name", sorted(TARGETS))
 def test_a_training_step_launches_at_most_its_target(name, layout):
     counts = count_training_step(build_norm(name, 64).to(DEVICE), *features(layout))
     assert counts.launches <= TARGETS[name], counts.operations
+    assert counts.allocations <= ALLOCATIONS[name], counts
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_later_calls_launch_and_allocate_as_the_first(name):
+    # the plan of the first call is kept (``base.NormBase.call_plan``): later calls run the same kernels
+    layer = build_norm(name, 64).to(DEVICE)
+    first, later = (count_training_step(layer, *features()) for _ in range(2))
+    assert later.operations == first.operations and later.allocations == first.allocations
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])

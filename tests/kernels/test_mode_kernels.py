@@ -278,16 +278,16 @@ def test_fallbacks():
     """MN's batch average pools float64 sums in its autograd graph; more than MAX_MODES modes have no kernels."""
     x = torch.randn(2, 8, 3, 3).to(DEVICE)
     layer = build_norm("MN", 8).to(DEVICE).train()
-    assert layer.fused_statistics(x) is not None
+    assert layer.call_plan(x) is not None
     layer.start_batch_average()
-    assert layer.fused_statistics(x) is None
+    assert layer.call_plan(x) is None
     layer(x)
     layer.finish_batch_average()
-    assert layer.fused_statistics(x) is not None
+    assert layer.call_plan(x) is not None
     for name in ("MN", "MGN"):
         modes = mode_kernels.MAX_MODES
-        assert build_norm(name, 8, num_modes=modes).to(DEVICE).fused_statistics(x) is not None
-        assert build_norm(name, 8, num_modes=modes + 1).to(DEVICE).fused_statistics(x) is None
+        assert build_norm(name, 8, num_modes=modes).to(DEVICE).call_plan(x) is not None
+        assert build_norm(name, 8, num_modes=modes + 1).to(DEVICE).call_plan(x) is None
 
 
 @pytest.mark.parametrize("name", ["MN", "MGN"])
