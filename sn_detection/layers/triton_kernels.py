@@ -68,6 +68,7 @@ import os
 import torch
 from torch import Tensor
 
+from . import compiled_launch
 
 try:
     import triton
@@ -261,14 +262,15 @@ skip_launches = False
 
 def launch(kernel, grid: tuple, *args, **meta) -> None:
     """``kernel[grid](*args, **meta)``, seen by ``launch_observer``: every kernel of the package is launched
-    here, so that a launch count sees them all."""
+    here, so that a launch count sees them all. Once a kernel has run for a specialization, later calls
+    launch its compiled kernel directly (``compiled_launch``)."""
     if skip_launches:
         return
     if launch_observer is None:
-        kernel[grid](*args, **meta)
+        compiled_launch.launch(kernel, grid, args, meta)
         return
     with launch_observer(kernel, args, meta):
-        kernel[grid](*args, **meta)
+        compiled_launch.launch(kernel, grid, args, meta)
 
 
 def next_pow2(value: int) -> int:

@@ -1,0 +1,220 @@
+"""Launching a Triton kernel's compiled handle directly, once Triton's JIT has run it for a specialization.
+
+``kernel[grid](*args, **meta)`` goes through Triton's JIT on every call: it binds the arguments, computes
+their specialization, turns it and the options into a cache key, looks the compiled kernel up and builds
+its launch metadata, which costs several times the launch itself. ``launch`` does the same launch with
+less: the first call for a launch key takes that ordinary path, which compiles (or finds) the kernel and
+returns it, and the key is recorded with that ``CompiledKernel``; later calls with the same key call its
+launcher as ``JITFunction.run`` does after its lookup: the current device's current stream, the launch
+metadata and the enter and exit hooks of ``triton.knobs.runtime`` (neither, where no hook is registered:
+the launcher then calls none, as with empty chains), every parameter's value in signature order,
+constexprs included.
+
+The launch key holds all that decides which compiled kernel Triton's JIT picks (its specialization, read
+in ``JITFunction.run``, ``create_function_from_signature`` and the native ``specialize_impl``), or more:
+
+- each positional argument: a tensor's dtype and whether its data pointer is a multiple of 16 (Triton
+  compiles a divisibility-by-16 assumption into the kernel); an int's width (i32, i64 or u64), whether it
+  is 1 (compiled in as a constant) and whether it is a multiple of 16; a bool, a float (passed as fp32,
+  never specialized on its value) or None; any other type has no key (``launch_key``);
+- the keyword arguments (constexprs such as block sizes and flags, and options such as ``num_warps``,
+  ``num_stages``, ``enable_fp_fusion``), by name, type and value (True, 1 and 1.0 are different keys);
+- the kernel, the current device, and the global knobs the JIT adds to its options
+  (``knobs.runtime.debug``, ``knobs.compilation.instrumentation_mode``).
+
+A key must never be coarser than Triton's specialization (a launch would run a kernel compiled for other
+arguments); one that distinguishes more only costs an extra trip through the ordinary path. The stream is
+no part of a specialization: it is read on every launch, as the JIT reads it.
+
+All of this is Triton-internal, and was read for Triton 3.6.0 and 3.8.0 (``TRITON_VERSIONS``). These take
+the ordinary path, every time: any other version; the interpreter (TRITON_INTERPRET=1, whose kernels are
+no ``JITFunction``); a kernel with pre-run hooks, or a custom pipeline hook
+(``knobs.runtime.add_stages_inspection_hook``); a grid that is not a tuple; an argument without a key, a
+positional argument for a constexpr parameter, a keyword value of another type than bool, int, float, str
+and None; a kernel with a global rebound since it was recorded (the JIT compares the values and raises its
+error where they changed; the kernels' globals are constexprs, never changed in place). A JIT that
+returns no ``CompiledKernel`` (an asynchronous compile) is asked again on the next call.
+``ordinary_launches`` makes every launch within a block take the ordinary path (benchmarks, tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, NamedTuple
+
+from torch import Tensor
+
+try:
+    import triton
+except ImportError:  # no Triton: nothing is launched at all (``triton_kernels.available``)
+    triton = None
+
+__all__ = [
+    "TRITON_VERSIONS", "LaunchCounts", "counts", "launch", "launch_key", "ordinary_launches", "version_supported",
+]  # fmt: skip
+
+TRITON_VERSIONS = ("3.6.0", "3.8.0")  # whose JITFunction.run, CompiledKernel and CUDA launcher were read
+_VERSION_READ = triton is not None and triton.__version__ in TRITON_VERSIONS
+if _VERSION_READ:  # other versions touch none of Triton's internals
+    from triton import knobs
+    from triton.knobs import HookChain
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+# An int argument's specialization: its width, and whether it is a multiple of 16. (1 is its own key.)
+_INT32, _INT32_D, _INT64, _INT64_D, _UINT64, _UINT64_D, _ONE = "i32", "i32:D", "i64", "i64:D", "u64", "u64:D", "1"
+_PLAIN_TYPES = (bool, int, float, str, type(None))
+_MISSING = object()
+
+
+class LaunchCounts:
+    """Launches since import: ``direct`` through a recorded compiled kernel, ``ordinary`` through
+    ``kernel[grid](...)``."""
+
+    __slots__ = ("direct", "ordinary")
+
+    def __init__(self):
+        self.direct = 0
+        self.ordinary = 0
+
+
+class _Recorded(NamedTuple):
+    """What a direct launch needs besides the call's own arguments."""
+
+    run: object  # CompiledKernel.run, the CUDA launcher
+    function: int  # the loaded kernel's handle
+    packed_metadata: tuple
+    launch_metadata: object  # CompiledKernel.launch_metadata, the enter and exit hooks' argument
+    rest: tuple  # the values of the parameters after the positional arguments: keywords and defaults
+    global_objects: tuple  # (name, object, namespace) of every global the kernel reads, as recorded
+    kernel: object  # holds the kernel, whose id is in the key
+
+
+counts = LaunchCounts()
+_bypass = False  # set by ordinary_launches only
+# launch key -> _Recorded, or None for a key that always takes the ordinary path
+_recorded: dict = {}
+
+
+def version_supported() -> bool:
+    """Whether this process's Triton is one whose internals were read (``TRITON_VERSIONS``); with any other,
+    every launch takes the ordinary path."""
+    return _VERSION_READ
+
+
+def _wide_int_key(value: int) -> str:
+    aligned = not value & 15
+    if value < 2**63:
+        return _INT64_D if aligned else _INT64
+    return _UINT64_D if aligned else _UINT64  # beyond 2**64 the JIT raises OverflowError
+
+
+def launch_key(args: tuple, meta: dict) -> tuple | None:
+    """What of ``kernel[grid](*args, **meta)`` Triton specializes a compiled kernel on (module docstring),
+    as one flat hashable tuple; None where an argument's type is not one of those read.
+
+    The tuple reads unambiguously from the left: a tensor gives its dtype and then its alignment (a bool), an
+    int a string, a float, bool or None its type; then each keyword's (name, value) and each value's type."""
+    key = []
+    append = key.append  # (the host's time per launch is what this module is for)
+    for value in args:
+        kind = type(value)
+        if kind is int:
+            if value == 1:
+                append(_ONE)
+            elif -(2**31) <= value < 2**31:
+                append(_INT32 if value & 15 else _INT32_D)
+            else:
+                append(_wide_int_key(value))
+        elif kind is float or kind is bool or value is None:
+            append(kind)
+        elif isinstance(value, Tensor):
+            append(value.dtype)
+            append(not value.data_ptr() & 15)
+        else:
+            return None
+    return (*key, *meta.items(), *map(type, meta.values()))
+
+
+def _record(kernel, compiled, args: tuple, meta: dict):
+    """The _Recorded of a call that the JIT launched with ``compiled``; None where calls of this shape
+    cannot be launched directly, _MISSING where the JIT gave no CompiledKernel (an asynchronous compile)."""
+    if type(compiled) is not CompiledKernel:
+        return _MISSING
+    parameters = list(kernel.signature.parameters.values())
+    if (
+        len(args) > len(parameters)
+        or any(parameter.is_constexpr for parameter in kernel.params[: len(args)])  # its value: not in the key
+        or any(parameter.kind is not parameter.POSITIONAL_OR_KEYWORD for parameter in parameters)
+        or not all(isinstance(value, _PLAIN_TYPES) for value in meta.values())
+    ):
+        return None
+    rest = tuple(meta[p.name] if p.name in meta else p.default for p in parameters[len(args) :])
+    used = kernel.used_global_vals.items()  # {(name, id of namespace): (value as compiled, namespace)}
+    global_objects = tuple((name, namespace.get(name, _MISSING), namespace) for (name, _), (_, namespace) in used)
+    return _Recorded(
+        compiled.run, compiled.function, compiled.packed_metadata, compiled.launch_metadata, rest, global_objects,
+        kernel,
+    )  # fmt: skip
+
+
+def _ordinary(kernel, grid, args: tuple, meta: dict):
+    counts.ordinary += 1
+    return kernel[grid](*args, **meta)
+
+
+def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
+    """``kernel[grid](*args, **meta)``, through the compiled kernel recorded for its launch key where there
+    is one (module docstring)."""
+    if not _VERSION_READ or _bypass or type(kernel) is not JITFunction or type(grid) is not tuple:
+        _ordinary(kernel, grid, args, meta)
+        return
+    runtime = knobs.runtime
+    key = launch_key(args, meta)
+    if key is None or kernel.pre_run_hooks or runtime.add_stages_inspection_hook is not None:
+        _ordinary(kernel, grid, args, meta)
+        return
+    active = driver.active
+    device = active.get_current_device()
+    key = (id(kernel), device, kernel.debug, runtime.debug, knobs.compilation.instrumentation_mode, key)
+    try:
+        recorded = _recorded.get(key, _MISSING)
+    except TypeError:  # an unhashable keyword value
+        recorded = None
+    if recorded is _MISSING:
+        recorded = _record(kernel, _ordinary(kernel, grid, args, meta), args, meta)
+        if recorded is not _MISSING:
+            _recorded[key] = recorded
+        return
+    if recorded is None:
+        _ordinary(kernel, grid, args, meta)
+        return
+    for name, value, namespace in recorded.global_objects:
+        if namespace.get(name, _MISSING) is not value:  # rebound: the JIT compares values, and raises if changed
+            _ordinary(kernel, grid, args, meta)
+            return
+    run, function, packed_metadata, launch_metadata, rest, _, _ = recorded
+    values = args + rest
+    stream = active.get_current_stream(device)
+    enter_hook, exit_hook = runtime.launch_enter_hook, runtime.launch_exit_hook
+    if type(enter_hook) is HookChain and type(exit_hook) is HookChain and not enter_hook.calls and not exit_hook.calls:
+        metadata = enter_hook = exit_hook = None  # no hook listens (the usual case): the launcher calls none
+    else:
+        metadata = launch_metadata(grid, stream, *values)
+    size = len(grid)
+    counts.direct += 1
+    run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, function, packed_metadata, metadata,
+        enter_hook, exit_hook, *values)  # fmt: skip
+
+
+@contextlib.contextmanager
+def ordinary_launches() -> Iterator[None]:
+    """Within the block every launch takes Triton's ordinary path, ``kernel[grid](*args, **meta)``, and
+    nothing is recorded (to compare or time the two paths)."""
+    global _bypass
+    previous, _bypass = _bypass, True
+    try:
+        yield
+    finally:
+        _bypass = previous
