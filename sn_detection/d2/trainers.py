@@ -27,16 +27,20 @@ def ddp_model(model: torch.nn.Module, **ddp_options) -> torch.nn.Module:
     return create_ddp_model(model, **ddp_options, **({"device_ids": None} if on_cpu else {}))
 
 
-def step_trainer(model: torch.nn.Module, data_loader, optimizer, amp: bool, amp_key: str, **ddp_options) -> SimpleTrainer:
+def step_trainer(
+    model: torch.nn.Module, data_loader, optimizer, amp: bool, amp_key: str, trainer_classes=None, **ddp_options
+) -> SimpleTrainer:
     """The trainer of one step of ``ddp_model(model, **ddp_options)``, its ``model``: AMPTrainer if
-    ``amp``, the value of the config key ``amp_key``, else SimpleTrainer."""
+    ``amp``, the value of the config key ``amp_key``, else SimpleTrainer; or the (float32, mixed precision)
+    pair of their subclasses ``trainer_classes``."""
     device = next(model.parameters()).device
     if amp and device.type != "cuda":
         raise ValueError(
             f"{amp_key}=True needs the model on a CUDA device (detectron2's AMPTrainer autocasts on CUDA "
             f"only), but it is on {device}; set {amp_key} False to train in float32"
         )
-    return (AMPTrainer if amp else SimpleTrainer)(ddp_model(model, **ddp_options), data_loader, optimizer)
+    float32, mixed = trainer_classes or (SimpleTrainer, AMPTrainer)
+    return (mixed if amp else float32)(ddp_model(model, **ddp_options), data_loader, optimizer)
 
 
 def share_first_process_buffers(model: torch.nn.Module) -> None:

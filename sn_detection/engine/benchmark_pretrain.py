@@ -4,8 +4,8 @@ hours an ImageNet epoch would take at that speed.
 Not a test: a measurement to run by hand, on the GPUs that will pretrain (or on the CPU):
 
     python tools/benchmark_pretrain.py [--config-file configs/mask_rcnn_sn_2x.yaml] [--norms BN,GN,SN]
-        [--devices 8] [--classes 1000] [--epoch-images 1281167] [--data FOLDER] [--rounds 5] [--threads N]
-        [--json PATH] [KEY VALUE ...]
+        [--devices 8] [--classes 1000] [--epoch-images 1281167] [--data FOLDER] [--cuda-graph] [--rounds 5]
+        [--threads N] [--json PATH] [KEY VALUE ...]
 
 Every setting puts its norm in MODEL.RESNETS.NORM of the config's ResNet under pretraining's classifier,
 optimizer and detectron2 trainer (mixed precision with PRETRAIN.AMP True). A step is the trainer's
@@ -17,6 +17,10 @@ several processes. So the hours per epoch, --epoch-images / IMS_PER_BATCH iterat
 step, are what the devices' computation alone needs: a lower bound for a real run, whose log prints its
 own ETA. BN is the reference; settings are timed in interleaved rounds (two warm-up rounds first), with
 the medians, their ratio to BN, and the lowest and highest ratio within one round.
+
+With ``--cuda-graph`` (MODEL.DEVICE cuda) every norm is also timed with its step captured in a CUDA graph
+and replayed (PRETRAIN.CUDA_GRAPH; setting ``NORM+graph``, its warm-up and capture before the rounds), in
+the same rounds: the table gives each graphed step's ratio to BN's eager one and to BN's graphed one.
 
 With ``--data FOLDER`` (an ImageFolder such as ImageNet, or ``embedded``) it also times the loading of
 training samples as one loader worker makes them (reading, decoding, random crop, flip: pretraining's
@@ -45,6 +49,7 @@ from .timing import (
 )  # fmt: skip
 
 REFERENCE = "BN"
+NORM_KEYS = ["MODEL.RESNETS.NORM"]
 IMAGENET_TRAIN_IMAGES = 1281167
 LOADED_SAMPLES = 200
 WARMUP_SAMPLES = 10
@@ -59,7 +64,8 @@ def random_batch(cfg, images: int, classes: int):
 
 
 class Setting:
-    """One norm's classifier in pretraining's trainer, stepping on the same batch over and over."""
+    """One norm's classifier in pretraining's trainer, stepping on the same batch over and over; with
+    PRETRAIN.CUDA_GRAPH, from its first replay on (its eager warm-up steps and capture are not timed)."""
 
     def __init__(self, cfg, batch, classes: int):
         torch.manual_seed(cfg.SEED)
@@ -67,10 +73,25 @@ class Setting:
         model = BackboneClassifier(cfg, classes).to(self.device)
         self.trainer = build_trainer(cfg, model, build_optimizer(cfg, model), itertools.repeat(batch))
         self.storage = EventStorage()
+        while cfg.PRETRAIN.CUDA_GRAPH and not self.trainer.captured:
+            self.train_step()
 
     def train_step(self):
         with self.storage:
             return device_seconds(self.trainer.run_step, self.device)
+
+
+def graphed(norm: str) -> str:
+    """The label of ``norm``'s setting with its step in a CUDA graph."""
+    return f"{norm}+graph"
+
+
+def with_cuda_graph(cfg, cuda_graph: bool):
+    """``cfg`` with PRETRAIN.CUDA_GRAPH ``cuda_graph``."""
+    cfg = cfg.clone()
+    cfg.defrost()
+    cfg.PRETRAIN.CUDA_GRAPH = cuda_graph
+    return cfg
 
 
 def loaded_images_per_second(cfg, data: str, count: int = LOADED_SAMPLES) -> float:
@@ -97,15 +118,20 @@ def epoch_hours(step_seconds: float, epoch_images: int, ims_per_batch: int) -> f
 def print_table(rows, devices):
     hours = f"h/epoch ({devices} dev.)"
     loading = "workers_per_device" in rows[0]
-    header = f"{'norm':8} {'step s':>8} {'x BN':>6} {'rounds':>11} {'images/s/dev.':>13} {hours:>18}"
-    print(header + (f" {'workers/dev.':>12}" if loading else ""))
-    print("-" * (len(header) + 13 * loading))
+    graphs = any("step_vs_bn_graph" in row for row in rows)
+    header = f"{'setting':9} {'step s':>8} {'x BN':>6} {'rounds':>11} {'images/s/dev.':>13} {hours:>18}"
+    header += (f" {'x BN+graph':>10}" if graphs else "") + (f" {'workers/dev.':>12}" if loading else "")
+    print(header)
+    print("-" * len(header))
     for row in rows:
-        print(
-            f"{row['norm']:8} {row['step_seconds']:8.3f} {row['step_vs_bn']:6.2f} "
+        line = (
+            f"{row['setting']:9} {row['step_seconds']:8.3f} {row['step_vs_bn']:6.2f} "
             f"{range_text(row['step_vs_bn_range']):>11} {row['images_per_second_per_device']:13.1f} "
-            f"{row['epoch_hours']:18.2f}" + (f" {row['workers_per_device']:12d}" if loading else "")
+            f"{row['epoch_hours']:18.2f}"
+            + (f" {row['step_vs_bn_graph']:10.2f}" if "step_vs_bn_graph" in row else " " * 11 * graphs)
+            + (f" {row['workers_per_device']:12d}" if loading else "")
         )
+        print(line.rstrip())
 
 
 def parse_args(argv: Optional[Sequence[str]] = None):
@@ -117,6 +143,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
         "--epoch-images", type=positive_int, default=IMAGENET_TRAIN_IMAGES, help="training images per epoch"
     )
     parser.add_argument("--data", metavar="FOLDER", help="also time one loader worker on this ImageFolder, or 'embedded'")
+    parser.add_argument(
+        "--cuda-graph", action="store_true", help="also time each norm's step captured in a CUDA graph (NORM+graph)"
+    )
     return parser.parse_args(argv)
 
 
@@ -131,32 +160,43 @@ def main(argv: Optional[Sequence[str]] = None):
     per_device = ims_per_batch // args.devices
 
     norms = timed_norms(args.norms, REFERENCE)
-    setting_cfgs = norm_setting_cfgs(cfg, norms, ["MODEL.RESNETS.NORM"])
+    if args.cuda_graph:
+        eager = norm_setting_cfgs(with_cuda_graph(cfg, False), norms, NORM_KEYS)
+        graph = norm_setting_cfgs(with_cuda_graph(cfg, True), norms, NORM_KEYS)
+        setting_cfgs = {**eager, **{graphed(norm): graph_cfg for norm, graph_cfg in graph.items()}}
+    else:
+        setting_cfgs = norm_setting_cfgs(cfg, norms, NORM_KEYS)
     device = torch.device(cfg.MODEL.DEVICE)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    launch = ", eager and graphed" if args.cuda_graph else ", graphed" if cfg.PRETRAIN.CUDA_GRAPH else ""
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, device {gpu or 'cpu'}; "
         f"ResNet-{cfg.MODEL.RESNETS.DEPTH}, {cfg.PRETRAIN.IMAGE_SIZE} px, {per_device} images per step "
-        f"({ims_per_batch} over {args.devices} devices), {'AMP' if cfg.PRETRAIN.AMP else 'fp32'}"
+        f"({ims_per_batch} over {args.devices} devices), {'AMP' if cfg.PRETRAIN.AMP else 'fp32'}{launch}"
     )
     batch = random_batch(cfg, per_device, args.classes)
-    settings = {norm: Setting(setting_cfg, batch, args.classes) for norm, setting_cfg in setting_cfgs.items()}
+    settings = {label: Setting(setting_cfg, batch, args.classes) for label, setting_cfg in setting_cfgs.items()}
     steps = interleaved_seconds(settings, range(args.rounds + WARMUP_ROUNDS), lambda s, _: s.train_step())
     summary = ratio_to(steps, REFERENCE)
+    to_graphed_bn = ratio_to(steps, graphed(REFERENCE)) if args.cuda_graph else {}
 
     rows = [
         {
-            "norm": norm, "device": device.type, "gpu": gpu, "config": args.config_file,
+            "norm": setting_cfg.MODEL.RESNETS.NORM, "setting": label, "cuda_graph": setting_cfg.PRETRAIN.CUDA_GRAPH,
+            "device": device.type, "gpu": gpu, "config": args.config_file,
             "depth": cfg.MODEL.RESNETS.DEPTH, "image_size": cfg.PRETRAIN.IMAGE_SIZE, "amp": cfg.PRETRAIN.AMP,
             "ims_per_batch": ims_per_batch, "devices": args.devices, "images_per_step": per_device,
-            "step_seconds": summary[norm]["seconds"], "step_vs_bn": summary[norm]["ratio"],
-            "step_vs_bn_range": summary[norm]["ratio_range"],
-            "images_per_second_per_device": per_device / summary[norm]["seconds"],
+            "step_seconds": summary[label]["seconds"], "step_vs_bn": summary[label]["ratio"],
+            "step_vs_bn_range": summary[label]["ratio_range"],
+            "images_per_second_per_device": per_device / summary[label]["seconds"],
             "epoch_images": args.epoch_images,
-            "epoch_hours": epoch_hours(summary[norm]["seconds"], args.epoch_images, ims_per_batch),
+            "epoch_hours": epoch_hours(summary[label]["seconds"], args.epoch_images, ims_per_batch),
         }
-        for norm in norms
+        for label, setting_cfg in setting_cfgs.items()
     ]  # fmt: skip
+    for row in rows:
+        if args.cuda_graph and row["cuda_graph"]:
+            row["step_vs_bn_graph"] = to_graphed_bn[row["setting"]]["ratio"]
     if args.data:
         loaded = loaded_images_per_second(cfg, args.data)
         print(f"One loader worker on {args.data}: {loaded:.1f} training samples per second")

@@ -12,6 +12,7 @@ these keys and ``validate_sn_config`` checks them, while the rest of ``pretraini
 
 from __future__ import annotations
 
+import torch
 from detectron2.config import CfgNode as CN
 
 from ..layers.options import NON_NEGATIVE, POSITIVE_INT, Rule, is_int, is_number
@@ -42,6 +43,10 @@ def add_pretrain_config(cfg: CN) -> None:
     cfg.PRETRAIN.BATCH_AVERAGE_BATCHES = 50
     cfg.PRETRAIN.SYNC_NORMS = False  # SN -> SyncSN, BN -> SyncBN: batch statistics over all processes
     cfg.PRETRAIN.AMP = False
+    # capture the training step (forward, backward, SGD step) in a CUDA graph after a few eager steps and
+    # replay it (graphed_step): the losses of eager training to float32 rounding, without the host's cost per
+    # layer; checkpoints as eager training's. Needs MODEL.DEVICE cuda and one process (several are refused).
+    cfg.PRETRAIN.CUDA_GRAPH = False
     cfg.PRETRAIN.NUM_WORKERS = 4
     cfg.PRETRAIN.EVAL_PERIOD = 0  # top-1 on val every N iterations (0: at the end only)
     # keep the model at each of those evaluations (in evaluated/), so that this run stopped at a top-1
@@ -58,8 +63,8 @@ def _is_area_range(value) -> bool:
 
 _INT_AT_LEAST_0 = Rule(lambda v: is_int(v) and v >= 0, "an int >= 0")
 
-# key of cfg.PRETRAIN -> what its value must be (SYNC_NORMS, AMP and KEEP_EVALUATED_MODELS are booleans,
-# which yacs keeps as such)
+# key of cfg.PRETRAIN -> what its value must be (SYNC_NORMS, AMP, CUDA_GRAPH and KEEP_EVALUATED_MODELS are
+# booleans, which yacs keeps as such; CUDA_GRAPH True needs MODEL.DEVICE cuda, validate_pretrain_config)
 PRETRAIN_KEY_RULES = {
     "DATA": Rule(lambda v: isinstance(v, str) and v != "", "'embedded' or an ImageFolder directory"),
     "IMAGE_SIZE": POSITIVE_INT,
@@ -94,6 +99,11 @@ def validate_pretrain_config(cfg: CN) -> None:
         raise ValueError(
             f"PRETRAIN.STOP_ITER={cfg.PRETRAIN.STOP_ITER} is invalid: it must be 0 (the whole schedule) or at most "
             f"PRETRAIN.MAX_ITER={cfg.PRETRAIN.MAX_ITER}"
+        )
+    if cfg.PRETRAIN.CUDA_GRAPH and torch.device(cfg.MODEL.DEVICE).type != "cuda":
+        raise ValueError(
+            f"PRETRAIN.CUDA_GRAPH=True captures the training step in a CUDA graph, which needs MODEL.DEVICE cuda, "
+            f"but it is {cfg.MODEL.DEVICE!r}; set PRETRAIN.CUDA_GRAPH False to train on {cfg.MODEL.DEVICE!r}"
         )
     if cfg.PRETRAIN.STOP_TOP1 and not cfg.PRETRAIN.EVAL_PERIOD:
         raise ValueError(

@@ -15,7 +15,8 @@ all processes: large batches are the point of pretraining (BN, and SN's BN branc
 process holds IMS_PER_BATCH / K images and PRETRAIN.SYNC_NORMS pools SN's and BN's statistics over all.
 After the last iteration the batch-dependent test statistics become the exact statistics of
 PRETRAIN.BATCH_AVERAGE_BATCHES further training batches (the SN paper's batch average, as detectron2's
-PreciseBN), before the final evaluation and checkpoint.
+PreciseBN), before the final evaluation and checkpoint. With PRETRAIN.CUDA_GRAPH the step is captured in a
+CUDA graph after a few eager ones and replayed (``graphed_step``): the same training, less host time.
 
 Outputs in PRETRAIN.OUTPUT_DIR: ``backbone.pth`` (the backbone checkpoint, ``model``), ``results.json``
 (top-1 on the val split, the input convention, what was trained and how long), ``metrics.json``,
@@ -61,6 +62,7 @@ from ..d2.optimizer import get_optimizer_params
 from ..d2.trainers import share_first_process_buffers, step_trainer
 from ..data.cache import ensure_folder, is_intact
 from .data import ClassificationImages, SeededStream, collate, data_folder, shard
+from .graphed_step import GraphedAMPTrainer, GraphedTrainer
 from .model import BackboneClassifier, backbone_state, input_convention, pretrained_norm
 
 logger = logging.getLogger(__name__)
@@ -112,8 +114,12 @@ def trained_iterations(cfg: CfgNode) -> int:
 
 
 def build_trainer(cfg: CfgNode, model: torch.nn.Module, optimizer, data_loader=None) -> SimpleTrainer:
-    """detectron2's trainer of one pretraining step, of ``model`` in DDP, in mixed precision with PRETRAIN.AMP."""
-    return step_trainer(model, data_loader, optimizer, cfg.PRETRAIN.AMP, "PRETRAIN.AMP", broadcast_buffers=False)
+    """detectron2's trainer of one pretraining step, of ``model`` in DDP, in mixed precision with PRETRAIN.AMP,
+    the step captured in a CUDA graph and replayed with PRETRAIN.CUDA_GRAPH (``graphed_step``)."""
+    trainer_classes = (GraphedTrainer, GraphedAMPTrainer) if cfg.PRETRAIN.CUDA_GRAPH else None
+    return step_trainer(
+        model, data_loader, optimizer, cfg.PRETRAIN.AMP, "PRETRAIN.AMP", trainer_classes, broadcast_buffers=False
+    )
 
 
 def train_loader(cfg: CfgNode, images: ClassificationImages, start_iter: int) -> DataLoader:
@@ -399,7 +405,8 @@ def pretrained_root() -> str:
 
 def cache_key(cfg: CfgNode) -> dict:
     """Everything that determines the pretrained backbone (module docstring)."""
-    unkeyed = ("OUTPUT_DIR", "NUM_WORKERS", "EVAL_PERIOD", "CHECKPOINT_PERIOD", "KEEP_EVALUATED_MODELS")
+    # where and how a run is made, not what it makes (CUDA_GRAPH: the same training, to float32 rounding)
+    unkeyed = ("OUTPUT_DIR", "NUM_WORKERS", "EVAL_PERIOD", "CHECKPOINT_PERIOD", "KEEP_EVALUATED_MODELS", "CUDA_GRAPH")
     pretrain = {k: v for k, v in cfg.PRETRAIN.items() if k not in unkeyed}
     if trained_iterations(cfg) == cfg.PRETRAIN.MAX_ITER:  # the whole schedule, however it is written
         del pretrain["STOP_ITER"]
