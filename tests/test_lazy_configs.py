@@ -2,7 +2,9 @@
 layers with their options as plain arguments; each is the twin of a yaml config (the same state-dict keys
 and shapes, the same optimizer settings and learning rate at every iteration); and
 tools/lazyconfig_train_net.py trains one a step, with the batch average and the norm analysis, and
-evaluates it; mixed precision off CUDA is refused, naming the key."""
+evaluates it; mixed precision off CUDA is refused, naming the key. The LSJ configs are detectron2's
+large-scale-jitter recipe with our norms exactly where it has SyncBN, cropping to 1024 x 1024; their graphed
+backbone is refused off CUDA, naming the key, and wraps the backbone without changing the state-dict keys."""
 
 import json
 import os
@@ -12,12 +14,16 @@ import sys
 import pytest
 import torch
 from detectron2.config import LazyConfig, get_cfg, instantiate
-from detectron2.layers import ShapeSpec
+from detectron2.data import DatasetCatalog
+from detectron2.layers import NaiveSyncBatchNorm, ShapeSpec
+from detectron2.model_zoo import get_config
 from detectron2.modeling import build_model
 from detectron2.solver import LRMultiplier, build_lr_scheduler
+from torch import nn
 
 from sn_detection import model_zoo
-from sn_detection.d2 import add_sn_config
+from sn_detection.d2 import add_sn_config, get_optimizer_params
+from sn_detection.d2.graphed_backbone import GraphedBackbone
 from sn_detection.data.datasets import register_shapes_datasets
 from sn_detection.engine import lazy
 from sn_detection.layers import NORM_CLASSES, NormFactory
@@ -34,6 +40,12 @@ TWINS = {
     "mask_rcnn_mgn_2x.py": ("mask_rcnn_mgn_2x", NormFactory("MGN", eps=1e-5, num_modes=2)),
     "demo_mask_rcnn_sn.py": ("demo_mask_rcnn_sn", NormFactory("SN", eps=1e-5, momentum=0.1, use_bn=True)),
 }
+# the LSJ configs -> the norm of their layers
+LSJ = {
+    "mask_rcnn_sn_lsj_100ep.py": NormFactory("SyncSN", eps=1e-5, momentum=0.1, use_bn=True),
+    "mask_rcnn_gn_lsj_100ep.py": NormFactory("GN", num_groups=32, eps=1e-5),
+}
+LSJ_RECIPE = "new_baselines/mask_rcnn_R_50_FPN_100ep_LSJ.py"
 
 
 def yaml_config(name):
@@ -191,3 +203,74 @@ def test_a_wrong_batch_average_is_refused_before_training(tmp_path, averaging, m
     with pytest.raises(ValueError, match=message):
         lazy.train(cfg, resume=False)
     assert not list(tmp_path.glob("*.pth")) and not (tmp_path / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("lazy", LSJ)
+def test_the_lsj_configs_are_detectrons_recipe_with_our_norms_where_it_has_syncbn(lazy):
+    cfg, recipe = LazyConfig.load(os.path.join(LAZY, lazy)), get_config(LSJ_RECIPE)
+    assert cfg.dataloader == recipe.dataloader and cfg.lr_multiplier == recipe.lr_multiplier
+    assert all(cfg.train[key] == recipe.train[key] for key in recipe.train if key != "output_dir")
+    assert (cfg.optimizer.lr, cfg.optimizer.momentum, cfg.optimizer.weight_decay) == (0.1, 0.9, 4e-5)
+    assert cfg.optimizer.params._target_ is get_optimizer_params
+    assert cfg.train.graphed_backbone == dict(enabled=True, max_graphs=1, warmup=3)
+    torch.manual_seed(0)
+    ours, theirs = instantiate(cfg.model), instantiate(recipe.model)
+    assert settings(ours) == settings(theirs) and settings(ours)["frozen"] == []  # from scratch
+    norms = {name: m for name, m in ours.named_modules() if isinstance(m, NORM_CLASSES)}
+    synced = (nn.SyncBatchNorm, NaiveSyncBatchNorm)
+    assert sorted(norms) == sorted(name for name, m in theirs.named_modules() if isinstance(m, synced))
+    assert len(norms) > 60 and all(type(m) is type(LSJ[lazy](64)) for m in norms.values())
+    for layer in norms.values():
+        assert all(getattr(layer, option) == value for option, value in LSJ[lazy].options.items())
+    # everything else has the recipe's tensors
+    not_norm = lambda key: not key.startswith(tuple(name + "." for name in norms))  # noqa: E731
+    assert {k: v.shape for k, v in ours.state_dict().items() if not_norm(k)} == {
+        k: v.shape for k, v in theirs.state_dict().items() if not_norm(k)
+    }
+
+
+def test_the_lsj_crops_are_1024_square():
+    register_shapes_datasets()
+    cfg = LazyConfig.load(os.path.join(LAZY, "mask_rcnn_sn_lsj_100ep.py"))
+    cfg.dataloader.train.mapper.instance_mask_format = "bitmask"  # the embedded dataset's masks are RLE
+    mapper = instantiate(cfg.dataloader.train.mapper)
+    torch.manual_seed(0)
+    for record in DatasetCatalog.get("sn_shapes_train")[:4]:
+        mapped = mapper(record)
+        assert mapped["image"].shape == (3, 1024, 1024)
+        assert mapped["instances"].image_size == (1024, 1024)
+
+
+@pytest.mark.parametrize(
+    "graphing, message",
+    [
+        (dict(enabled=True), r"train.graphed_backbone.enabled=True needs CUDA graphs, but train.device='cpu'"),
+        (dict(enable=True), r"train.graphed_backbone has unknown keys \['enable'\]"),
+    ],
+    ids=["cpu", "misspelt"],
+)
+def test_a_graphed_backbone_that_cannot_run_is_refused_before_training(tmp_path, graphing, message):
+    cfg = LazyConfig.load(str(tiny_demo(tmp_path)))
+    cfg.train.graphed_backbone = graphing
+    with pytest.raises(ValueError, match=message):
+        lazy.train(cfg, resume=False)
+    assert not list(tmp_path.glob("*.pth")) and not (tmp_path / "metrics.json").exists()
+
+
+def test_the_graphed_backbone_keeps_the_models_keys(tmp_path):
+    cfg = LazyConfig.load(str(tiny_demo(tmp_path)))
+    cfg.train.graphed_backbone = dict(enabled=True, max_graphs=2)
+    cfg.train.device = "cuda"  # the options are checked for a CUDA run; the model is built where it is
+    options = lazy.graphed_backbone_options(cfg.train)
+    assert options == dict(max_graphs=2)
+    cfg.train.device = "cpu"
+    torch.manual_seed(0)
+    graphed = lazy.built_model(cfg, options)
+    torch.manual_seed(0)
+    eager = lazy.built_model(cfg, None)
+    assert isinstance(graphed.backbone, GraphedBackbone) and graphed.backbone.max_graphs == 2
+    assert graphed.state_dict().keys() == eager.state_dict().keys()
+    cfg.train.graphed_backbone.max_graphs = 0
+    cfg.train.device = "cuda"
+    with pytest.raises(ValueError, match=r"train.graphed_backbone.max_graphs=0 is invalid: it must be an int >= 1"):
+        lazy.graphed_backbone_options(cfg.train)

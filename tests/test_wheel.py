@@ -74,7 +74,8 @@ def test_the_wheel_serves_every_config_without_the_repository(installed, tmp_pat
         if entry.setting != 1:  # setting 1 (C4) has no FPN
             assert fpn == entry.head, entry.name
     assert loaded["lazy"] == {
-        "demo_mask_rcnn_sn": "SN", "mask_rcnn_dn_2x": "DN", "mask_rcnn_mgn_2x": "MGN", "mask_rcnn_sn_2x": "SN",
+        "demo_mask_rcnn_sn": "SN", "mask_rcnn_dn_2x": "DN", "mask_rcnn_gn_lsj_100ep": "GN", "mask_rcnn_mgn_2x": "MGN",
+        "mask_rcnn_sn_2x": "SN", "mask_rcnn_sn_lsj_100ep": "SyncSN",
     }  # fmt: skip
     assert tuple(loaded["lazy"]) == model_zoo.lazy_names()
 

@@ -3,40 +3,59 @@
 Not a test: a measurement to run by hand, on CPU and, when available, CUDA:
 
     python tools/benchmark_train.py [--norms GN,SN,FrozenBN] [--rounds 8] [--threads N] [--json out.json]
-                                    [--config-file configs/demo_mask_rcnn_gn.yaml] [KEY VALUE ...]
+                                    [--graphed-backbone] [--config-file configs/demo_mask_rcnn_gn.yaml] [KEY VALUE ...]
+    python tools/benchmark_train.py --config-file configs/lazy/mask_rcnn_sn_lsj_100ep.py --norms GN,SN \\
+                                    --graphed-backbone [key=value ...]
 
-Every setting puts its norm in the backbone, the FPN and both heads (MODEL.RESNETS.NORM, MODEL.FPN.NORM,
-MODEL.ROI_BOX_HEAD.NORM, MODEL.ROI_MASK_HEAD.NORM) of the same model, by default the CPU demo's R50-FPN
-(160 px inputs, 128-wide FPN and heads, 64 RoIs per image, 2 images per batch). FrozenBN, a fixed
-per-channel affine, is the floor any normalizer is compared with.
+Every setting puts its norm in the backbone, the FPN and both heads of the same model: a yaml config's
+MODEL.RESNETS.NORM, MODEL.FPN.NORM, MODEL.ROI_BOX_HEAD.NORM and MODEL.ROI_MASK_HEAD.NORM (``KEY VALUE``
+overrides), or the same five places of a LazyConfig (``.py``; ``key=value`` overrides), where our norms
+get their layers' default options. By default the model is the CPU demo's R50-FPN (160 px inputs,
+128-wide FPN and heads, 64 RoIs per image, 2 images per batch). FrozenBN, a fixed per-channel affine, is
+the floor any normalizer is compared with.
 
 - Training step: forward, backward and SGD step of the same pre-loaded batches (data loading excluded),
   at learning rate 0: the cost of a step does not depend on the weights, and the models stay at their
-  initialisation (a FrozenBN network trained from scratch would diverge within a few steps).
+  initialisation (a FrozenBN network trained from scratch would diverge within a few steps). A config
+  that trains with mixed precision (SOLVER.AMP.ENABLED, train.amp.enabled: the LSJ recipe) is timed so,
+  as detectron2's AMPTrainer steps: fp16 autocast and a gradient scaler, on CUDA only.
 - Inference: evaluation-mode forward of those images without gradients, with the score threshold at 0
   so that every model sends the same number of detections (TEST.DETECTIONS_PER_IMAGE) through the
   mask head, whatever it has learned.
+- ``--graphed-backbone``: each norm's backbone and FPN replayed as CUDA graphs
+  (``sn_detection.d2.graphed_backbone``; two graphs, the training step's input shape and the
+  inference's), labelled ``SN+graphs``; the ratios are then to ``GN+graphs``, and GN without graphs is
+  timed beside it. It needs CUDA and inputs of one size, such as the LSJ configs' 1024 x 1024 crops: the
+  tool stops if the warm-up has not captured both graphs of every setting.
 
 Kernels are compiled or chosen per input shape (Triton's specializations of its integer arguments, cuDNN's
 and oneDNN's algorithms), and the batches' image sizes differ: every setting first runs every batch once,
-untimed, so that the rounds time steps rather than compilations. The settings are then timed in
-interleaved rounds, one per batch, so that a load change on a shared machine hits all of them alike; the
-table gives each setting's median, its ratio to GN, and the lowest and highest ratio within one round
-("rounds": the run-to-run spread).
+untimed (and, with graphs, at least as often as the capture needs), so that the rounds time steps rather
+than compilations. The settings are then timed in interleaved rounds, one per batch, so that a load change
+on a shared machine hits all of them alike; the table gives each setting's median, its ratio to the
+reference, and the lowest and highest ratio within one round ("rounds": the run-to-run spread).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
+import itertools
 import json
 from typing import Optional, Sequence
 
 import torch
+from detectron2.config import LazyCall as L
+from detectron2.config import LazyConfig, instantiate
 from detectron2.data import build_detection_train_loader
 from detectron2.modeling import build_model
 from detectron2.utils.events import EventStorage
 
 from .. import d2
+from ..d2.graphed_backbone import graph_backbone
 from ..data.datasets import register_shapes_datasets
+from ..layers import NORM_NAMES, NormFactory
 from .launch import load_cfg
 from .timing import (
     device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs, range_text, ratio_to,
@@ -44,33 +63,101 @@ from .timing import (
 )  # fmt: skip
 
 NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
+LAZY_NORM_KEYS = (
+    "model.backbone.bottom_up.stem.norm", "model.backbone.bottom_up.stages.norm", "model.backbone.norm",
+    "model.roi_heads.box_head.conv_norm", "model.roi_heads.mask_head.conv_norm",
+)  # fmt: skip
 REFERENCE = "GN"
+GRAPHED = "+graphs"
+GRAPH_WARMUP = 3  # eager calls of an input shape before its capture
+MAX_GRAPHS = 2  # the training step's input shape and the inference's
 
 
-def fixed_batches(cfg, count):
-    loader = iter(build_detection_train_loader(cfg))
-    return [next(loader) for _ in range(count)]
+class YamlModels:
+    """The settings of a yaml config: its model with a norm at every key of ``NORM_KEYS``."""
+
+    def __init__(self, config_file: str, opts: list):
+        fixed = ["DATALOADER.NUM_WORKERS", "0", "SOLVER.BASE_LR", "0.0", "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0"]
+        self.cfg = load_cfg(config_file, fixed + opts)
+        self.device = torch.device(self.cfg.MODEL.DEVICE)
+        self.amp, self.amp_key = self.cfg.SOLVER.AMP.ENABLED, "SOLVER.AMP.ENABLED"
+        self._norm_cfgs = {}
+
+    def check(self, norms) -> None:
+        """Every norm's config validated before any model is built (``norm_setting_cfgs``)."""
+        self._norm_cfgs = norm_setting_cfgs(self.cfg, norms, NORM_KEYS)
+
+    def batches(self, count: int) -> list:
+        loader = iter(build_detection_train_loader(self.cfg))
+        return [next(loader) for _ in range(count)]
+
+    def build(self, norm: str):
+        cfg = self._norm_cfgs[norm]
+        torch.manual_seed(cfg.SEED)
+        model = build_model(cfg)
+        return model, d2.build_optimizer(cfg, model)
+
+
+class LazyModels:
+    """The settings of a LazyConfig: its model with a norm at every key of ``LAZY_NORM_KEYS``."""
+
+    def __init__(self, config_file: str, opts: list):
+        fixed = [
+            "dataloader.train.num_workers=0", "optimizer.lr=0.0", "model.roi_heads.box_predictor.test_score_thresh=0.0",
+        ]  # fmt: skip
+        self.cfg = LazyConfig.apply_overrides(LazyConfig.load(config_file), fixed + opts)
+        if str(self.cfg.train.device).startswith("cuda") and not torch.cuda.is_available():
+            self.cfg.train.device = "cpu"  # as load_cfg does for a yaml config
+        self.device = torch.device(self.cfg.train.device)
+        self.amp, self.amp_key = self.cfg.train.amp.enabled, "train.amp.enabled"
+
+    def check(self, norms) -> None:
+        for norm in norms:
+            if norm not in d2.valid_norm_names():
+                raise ValueError(f"--norms: unknown norm {norm!r}; valid names are {list(d2.valid_norm_names())}")
+
+    def batches(self, count: int) -> list:
+        loader = iter(instantiate(self.cfg.dataloader.train))
+        return [next(loader) for _ in range(count)]
+
+    def build(self, norm: str):
+        cfg = copy.deepcopy(self.cfg)
+        layer = L(NormFactory)(name=norm) if norm in NORM_NAMES else norm  # detectron2's names as they are
+        for key in LAZY_NORM_KEYS:
+            *parents, name = key.split(".")
+            setattr(functools.reduce(getattr, parents, cfg), name, layer)
+        torch.manual_seed(cfg.train.get("seed", 0))
+        model = instantiate(cfg.model).to(self.device)
+        cfg.optimizer.params.model = model
+        return model, instantiate(cfg.optimizer)
 
 
 class Setting:
     """One normalizer's model and optimizer, with a timed training step and a timed inference."""
 
-    def __init__(self, cfg):
-        torch.manual_seed(cfg.SEED)
-        self.model = build_model(cfg)
-        self.optimizer = d2.build_optimizer(cfg, self.model)
-        self.device = torch.device(cfg.MODEL.DEVICE)
+    def __init__(self, model, optimizer, amp: bool):
+        self.model = model
+        self.optimizer = optimizer
+        self.device = next(model.parameters()).device
+        self.scaler = torch.amp.GradScaler("cuda") if amp else None
 
     def train_step(self, batch):
         self.model.train()
         return device_seconds(lambda: self._train(batch), self.device)
 
     def _train(self, batch):
-        with EventStorage():
+        autocast = torch.autocast("cuda", dtype=torch.float16) if self.scaler else contextlib.nullcontext()
+        with EventStorage(), autocast:
             losses = self.model(batch)
         self.optimizer.zero_grad()
-        sum(losses.values()).backward()
-        self.optimizer.step()
+        loss = sum(losses.values())
+        if self.scaler is None:
+            loss.backward()
+            self.optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
 
     @torch.no_grad()
     def inference(self, batch):
@@ -79,15 +166,42 @@ class Setting:
         return device_seconds(lambda: self.model(inputs), self.device)
 
 
-def print_table(rows):
-    header = f"{'setting':10} {'train step s':>12} {'x GN':>6} {'rounds':>11} {'inference s':>12} {'x GN':>6} {'rounds':>11}"
+def setting_labels(norms, graphed: bool) -> dict:
+    """Label -> (norm, graphed backbone): the reference first; with graphs, every norm graphed and the
+    reference also without graphs, beside its graphed twin."""
+    if not graphed:
+        return {norm: (norm, False) for norm in norms}
+    labels = {norms[0] + GRAPHED: (norms[0], True), norms[0]: (norms[0], False)}
+    labels.update({norm + GRAPHED: (norm, True) for norm in norms[1:]})
+    return labels
+
+
+def check_graphs_captured(settings, graphed_labels) -> None:
+    """After the warm-up, every graphed setting replays a training and an inference graph; else most of its
+    steps would be eager (their input shapes differ) and its time would not be that of graphs."""
+    for label in graphed_labels:
+        captured = settings[label].model.backbone.captured
+        if len(captured) < MAX_GRAPHS:
+            raise RuntimeError(
+                f"--graphed-backbone: {label} captured {len(captured)} of {MAX_GRAPHS} graphs (training step and "
+                "inference) in the warm-up: the batches' input shapes differ, so its steps would run eagerly; use "
+                "a config whose inputs have one size, such as configs/lazy/mask_rcnn_sn_lsj_100ep.py"
+            )
+
+
+def print_table(rows, reference: str):
+    ratio = f"x {reference}"
+    width = max(6, len(ratio))
+    label_width = max(10, *(len(row["setting"]) for row in rows))
+    header = (f"{'setting':{label_width}} {'train step s':>12} {ratio:>{width}} {'rounds':>11} {'inference s':>12} "
+              f"{ratio:>{width}} {'rounds':>11}")  # fmt: skip
     print(header)
     print("-" * len(header))
     for row in rows:
         print(
-            f"{row['norm']:10} {row['train_seconds']:12.3f} {row['train_vs_gn']:6.2f} "
+            f"{row['setting']:{label_width}} {row['train_seconds']:12.3f} {row['train_vs_gn']:{width}.2f} "
             f"{range_text(row['train_vs_gn_range']):>11} "
-            f"{row['inference_seconds']:12.3f} {row['inference_vs_gn']:6.2f} "
+            f"{row['inference_seconds']:12.3f} {row['inference_vs_gn']:{width}.2f} "
             f"{range_text(row['inference_vs_gn_range']):>11}"
         )
 
@@ -95,38 +209,57 @@ def print_table(rows):
 def main(argv: Optional[Sequence[str]] = None):
     description = __doc__.split("\n\n")[0]
     parser = norm_benchmark_parser(description, "configs/demo_mask_rcnn_gn.yaml", "GN,SN,FrozenBN", REFERENCE, 8)
+    parser.add_argument(
+        "--graphed-backbone", action="store_true",
+        help=f"replay every norm's backbone and FPN as CUDA graphs (ratios to {REFERENCE}{GRAPHED}; {REFERENCE} "
+        "eager is timed beside it); needs CUDA and inputs of one size",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     register_shapes_datasets()
-    fixed = ["DATALOADER.NUM_WORKERS", "0", "SOLVER.BASE_LR", "0.0", "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0"]
-    cfg = load_cfg(args.config_file, fixed + args.opts)
-
+    source = (LazyModels if args.config_file.endswith(".py") else YamlModels)(args.config_file, args.opts)
+    device = source.device
+    if source.amp and device.type != "cuda":
+        raise ValueError(f"{source.amp_key}=True: mixed precision is timed on CUDA only, and the model is on {device}")
+    if args.graphed_backbone and device.type != "cuda":
+        raise ValueError(f"--graphed-backbone replays CUDA graphs, and the model is on {device}")
     norms = timed_norms(args.norms, REFERENCE)
-    setting_cfgs = norm_setting_cfgs(cfg, norms, NORM_KEYS)
-    device = torch.device(cfg.MODEL.DEVICE)
+    source.check(norms)
+    labels = setting_labels(norms, args.graphed_backbone)
+    reference = next(iter(labels))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, device {gpu or 'cpu'}")
-    batches = fixed_batches(cfg, args.rounds)
-    settings = {norm: Setting(setting_cfg) for norm, setting_cfg in setting_cfgs.items()}
-    for setting in settings.values():  # the warm-up: every shape's kernels compiled (module docstring)
-        for batch in batches:
+    precision = ", mixed precision (fp16)" if source.amp else ""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, device {gpu or 'cpu'}{precision}")
+    batches = source.batches(args.rounds)
+    settings = {}
+    for label, (norm, graphed) in labels.items():
+        model, optimizer = source.build(norm)
+        if graphed:
+            graph_backbone(model, max_graphs=MAX_GRAPHS, warmup=GRAPH_WARMUP)
+        settings[label] = Setting(model, optimizer, source.amp)
+    # the warm-up: every shape's kernels compiled, and with graphs every graph captured (module docstring)
+    warmup_calls = max(len(batches), GRAPH_WARMUP + 1) if args.graphed_backbone else len(batches)
+    for setting in settings.values():
+        for batch in itertools.islice(itertools.cycle(batches), warmup_calls):
             setting.train_step(batch)
             setting.inference(batch)
-    train = ratio_to(interleaved_seconds(settings, batches, lambda s, batch: s.train_step(batch), 0), REFERENCE)
-    inference = ratio_to(interleaved_seconds(settings, batches, lambda s, batch: s.inference(batch), 0), REFERENCE)
+    check_graphs_captured(settings, [label for label, (_, graphed) in labels.items() if graphed])
+    train = ratio_to(interleaved_seconds(settings, batches, lambda s, batch: s.train_step(batch), 0), reference)
+    inference = ratio_to(interleaved_seconds(settings, batches, lambda s, batch: s.inference(batch), 0), reference)
 
     rows = [
         {
-            "norm": norm, "device": device.type, "gpu": gpu, "config": args.config_file,
-            "train_seconds": train[norm]["seconds"], "train_vs_gn": train[norm]["ratio"],
-            "train_vs_gn_range": train[norm]["ratio_range"], "inference_seconds": inference[norm]["seconds"],
-            "inference_vs_gn": inference[norm]["ratio"], "inference_vs_gn_range": inference[norm]["ratio_range"],
+            "norm": norm, "setting": label, "graphed_backbone": graphed, "reference": reference,
+            "amp": source.amp, "device": device.type, "gpu": gpu, "config": args.config_file,
+            "train_seconds": train[label]["seconds"], "train_vs_gn": train[label]["ratio"],
+            "train_vs_gn_range": train[label]["ratio_range"], "inference_seconds": inference[label]["seconds"],
+            "inference_vs_gn": inference[label]["ratio"], "inference_vs_gn_range": inference[label]["ratio_range"],
         }
-        for norm in norms
+        for label, (norm, graphed) in labels.items()
     ]
-    print_table(rows)
+    print_table(rows, reference)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

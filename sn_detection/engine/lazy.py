@@ -9,6 +9,8 @@ The config's ``model``, ``dataloader`` (``train``, ``test``, ``evaluator``), ``o
                                                          evaluation and after training
     norm_analysis_period = N                             log what the learned norms chose every N
                                                          iterations (0: off)
+    graphed_backbone = dict(enabled=..., max_graphs=..., run the backbone and FPN as CUDA graphs, one per
+                            warmup=...)                  input shape (``d2.graphed_backbone``; CUDA only)
 
 Our norms come as ``NormFactory`` objects with their options as plain arguments, so
 ``LazyConfig.load`` + ``instantiate`` builds the model the file describes, with no ``MODEL.SN`` involved.
@@ -31,6 +33,7 @@ from detectron2.utils.logger import setup_logger
 
 from ..d2 import CheckedCheckpointer, ddp_model, share_first_process_buffers, step_trainer
 from ..d2.checkpointer import check_resumed_iteration
+from ..d2.graphed_backbone import GraphedBackbone, graph_backbone
 from ..d2.hooks import batch_average_hook, insert_before_evaluation
 from ..d2.norm_analysis import norm_analysis_hook
 from ..data.datasets import register_shapes_datasets
@@ -70,6 +73,34 @@ def batch_average_batches(train) -> int:
     return num_batches
 
 
+def graphed_backbone_options(train) -> Optional[dict]:
+    """The options of ``GraphedBackbone`` that ``train.graphed_backbone`` sets (None: off), checked before
+    anything is built: graphs need CUDA."""
+    graphing = dict(train.get("graphed_backbone", {}))
+    rules = GraphedBackbone.option_rules
+    unknown = sorted(set(graphing) - {"enabled", *rules})
+    if unknown:
+        raise ValueError(f"train.graphed_backbone has unknown keys {unknown}: its keys are {['enabled', *rules]}")
+    if not graphing.pop("enabled", False):
+        return None
+    if not str(train.device).startswith("cuda"):
+        raise ValueError(
+            f"train.graphed_backbone.enabled=True needs CUDA graphs, but train.device={train.device!r}; set "
+            "train.graphed_backbone.enabled=False to run the backbone eagerly"
+        )
+    for key, value in graphing.items():
+        if not rules[key].holds(value):
+            raise ValueError(f"train.graphed_backbone.{key}={value!r} is invalid: it must be {rules[key].text}")
+    return graphing
+
+
+def built_model(cfg, graphing: Optional[dict]):
+    """``cfg.model`` on ``train.device``, its backbone graphed with the options ``graphing`` (None: not)."""
+    model = instantiate(cfg.model)
+    model.to(cfg.train.device)
+    return model if graphing is None else graph_backbone(model, **graphing)
+
+
 def training_hooks(cfg, model, checkpointer, num_batches: int) -> list:
     """detectron2's lazy-trainer hooks, with the batch average of ``num_batches`` (0: none) before
     checkpointing and evaluation and the norm analysis before the writers."""
@@ -97,9 +128,8 @@ def train(cfg, resume: bool) -> None:
     """Train ``cfg`` with detectron2's lazy trainer, our hooks and checkpointer; the EvalHook evaluates
     after the last iteration."""
     num_batches = batch_average_batches(cfg.train)  # checked before anything is built
-    model = instantiate(cfg.model)
+    model = built_model(cfg, graphed_backbone_options(cfg.train))
     logger.info("Model:\n%s", model)
-    model.to(cfg.train.device)
     cfg.optimizer.params.model = model
     optimizer = instantiate(cfg.optimizer)
     loader = instantiate(cfg.dataloader.train)
@@ -121,9 +151,7 @@ def train_or_evaluate(args) -> Optional[dict]:
     default_setup(cfg, args)
     setup_logger(output=cfg.train.output_dir, distributed_rank=comm.get_rank(), name="sn_detection")
     if args.eval_only:
-        model = instantiate(cfg.model)
-        model.to(cfg.train.device)
-        model = ddp_model(model)
+        model = ddp_model(built_model(cfg, graphed_backbone_options(cfg.train)))
         CheckedCheckpointer(model).evaluate_from(cfg.train.init_checkpoint, "train.init_checkpoint")
         return evaluate(cfg, model)
     train(cfg, args.resume)
