@@ -3,6 +3,7 @@
 Not a test: a measurement to run by hand, on CPU and, when available, CUDA:
 
     python tools/benchmark_norms.py [--shapes small] [--repeats 5] [--threads N] [--device cuda] [--amp] [--json results.json]
+                                    [--baseline REF]
 
 Shapes are those of detection: two FPN levels at batch 2 (2, 256, 200, 336) and (2, 256, 100, 168), the
 RoI box head (512, 256, 14, 14) and a stem-sized map (2, 64, 400, 672). Each layer runs in training mode in
@@ -23,7 +24,9 @@ Memory is what one forward + backward costs beyond its input and upstream gradie
 Ratios are relative to ``torch.nn.GroupNorm(32, C)`` on the same shape and device, and, for the
 learned norms, to "SN multi-op": Switchable Norm written the straightforward way, as the authors'
 reference code is, statistics by separate reductions and autograd through every op. Candidates are timed in
-interleaved rounds, so that a load change on a shared machine hits all of them alike. On a shared
+interleaved rounds, so that a load change on a shared machine hits all of them alike; ``--baseline REF``
+adds, after each learned norm, its twin as commit REF of this checkout has it (``baseline``), timed in the
+same rounds. On a shared
 machine ``--threads 1`` gives steadier CPU ratios: with several threads every small (N, C)-sized op
 opens a parallel region, which costs milliseconds when another process holds a core.
 """
@@ -38,6 +41,7 @@ import torch
 from torch import nn
 
 from ..layers import NORM_NAMES, build_norm
+from .baseline import baseline_layers, baseline_twin
 from .timing import (
     WARMUP_ROUNDS, device_seconds, interleaved_seconds, output_file, positive_int, range_text, ratio_to,
 )  # fmt: skip
@@ -79,13 +83,18 @@ class MultiOpSwitchableNorm(nn.Module):
         return (normalized * self.weight + self.bias).view(n, c, h, w)
 
 
-def candidates(num_channels):
-    """(label, layer) pairs: torch's references and the multi-op SN first, then every registered norm."""
+def candidates(num_channels, baseline=None):
+    """(label, layer) pairs: torch's references and the multi-op SN first, then every registered norm, each
+    followed by its twin of the ``baseline`` commit when one is given (``baseline.baseline_layers``)."""
     yield REFERENCE, nn.GroupNorm(32, num_channels)
     yield "torch BN", nn.BatchNorm2d(num_channels)
     yield MULTI_OP, MultiOpSwitchableNorm(num_channels)
     for name in NORM_NAMES:
-        yield name, build_norm(name, num_channels)
+        layer = build_norm(name, num_channels)
+        yield name, layer
+        if baseline is not None and name != "GN":  # GN is torch's group norm in both
+            label, package = baseline
+            yield f"{name} {label}", baseline_twin(package, layer)
 
 
 def step(layer, x, grad_y):
@@ -120,11 +129,11 @@ def peak_cuda_bytes(layer, x, grad_y):
     return torch.cuda.max_memory_allocated(x.device) - before
 
 
-def measure(device, shape, repeats, dtype=torch.float32):
+def measure(device, shape, repeats, dtype=torch.float32, baseline=None):
     generator = torch.Generator(device).manual_seed(0)
     x = torch.randn(shape, device=device, generator=generator).to(dtype).requires_grad_()
     grad_y = torch.randn(shape, device=device, generator=generator).to(dtype)
-    layers = {label: layer.to(device).train() for label, layer in candidates(shape[1])}
+    layers = {label: layer.to(device).train() for label, layer in candidates(shape[1], baseline)}
     rounds = range(repeats + WARMUP_ROUNDS)
     times = interleaved_seconds(layers, rounds, lambda layer, _: device_seconds(lambda: step(layer, x, grad_y), device))
     vs_gn, vs_multi_op = ratio_to(times, REFERENCE), ratio_to(times, MULTI_OP)
@@ -146,14 +155,14 @@ def measure(device, shape, repeats, dtype=torch.float32):
     return rows
 
 
-def print_profile(device, shape, dtype):
+def print_profile(device, shape, dtype, baseline=None):
     """Per layer, one forward + backward under torch's profiler: the wall time, the kernels' count and GPU time,
     and the kernels that took most of it."""
     from torch.profiler import ProfilerActivity, profile
 
     x = torch.randn(shape, device=device).to(dtype).requires_grad_()
     grad_y = torch.randn(shape, device=device).to(dtype)
-    for label, layer in candidates(shape[1]):
+    for label, layer in candidates(shape[1], baseline):
         layer = layer.to(device).train()
         for _ in range(3):
             step(layer, x, grad_y)
@@ -166,12 +175,13 @@ def print_profile(device, shape, dtype):
         for event in kernels:
             names[event.name] = names.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3
         top = ", ".join(f"{name[:40]} {ms:.3f}" for name, ms in sorted(names.items(), key=lambda item: -item[1])[:5])
-        print(f"{'x'.join(map(str, shape))} {label:13} wall {1e3 * seconds:7.3f} ms, {len(kernels):4} kernels, GPU {busy:7.3f} ms: {top}")
+        print(f"{'x'.join(map(str, shape))} {label:23} wall {1e3 * seconds:7.3f} ms, {len(kernels):4} kernels, GPU {busy:7.3f} ms: {top}")
 
 
 def print_table(rows):
+    width = max(13, *(len(row["layer"]) for row in rows))
     header = (
-        f"{'device':6} {'shape':20} {'layer':13} {'fwd+bwd ms':>10} {'x GN':>6} {'rounds':>11} {'memory MiB':>10} {'x GN':>6} "
+        f"{'device':6} {'shape':20} {'layer':{width}} {'fwd+bwd ms':>10} {'x GN':>6} {'rounds':>11} {'memory MiB':>10} {'x GN':>6} "
         f"{'time x multi-op':>15} {'mem x multi-op':>14}"
     )
     print(header)
@@ -179,7 +189,7 @@ def print_table(rows):
     for row in rows:
         shape = "x".join(map(str, row["shape"]))
         print(
-            f"{row['device']:6} {shape:20} {row['layer']:13} {1e3 * row['seconds']:10.1f} "
+            f"{row['device']:6} {shape:20} {row['layer']:{width}} {1e3 * row['seconds']:10.1f} "
             f"{row['time_vs_gn']:6.2f} {range_text(row['time_vs_gn_range']):>11} "
             f"{row['bytes'] / 2**20:10.1f} {row['memory_vs_gn']:6.2f} "
             f"{row['time_vs_multi_op']:15.2f} {row['memory_vs_multi_op']:14.2f}"
@@ -198,7 +208,13 @@ def main(argv: Optional[Sequence[str]] = None):
     parser.add_argument("--amp", action="store_true", help="float16 inputs under autocast (CUDA only)")
     parser.add_argument("--profile", action="store_true", help="also profile one step of each layer (CUDA only)")
     parser.add_argument("--json", metavar="PATH", type=output_file, help="also write the rows as JSON")
+    parser.add_argument("--baseline", metavar="REF", help="also time each learned norm as commit REF of this "
+                        "checkout has it, side by side (rows 'NAME @COMMIT')")  # fmt: skip
     args = parser.parse_args(argv)
+    try:
+        baseline = baseline_layers(args.baseline) if args.baseline else None
+    except ValueError as error:
+        parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)
     if "cuda" in (args.device or []) and not torch.cuda.is_available():
@@ -215,11 +231,12 @@ def main(argv: Optional[Sequence[str]] = None):
     rows = []
     for device in devices:
         for shape in SHAPES[args.shapes]:
-            rows += measure(device, shape, args.repeats, dtype)
-            print_table(rows[-len(NORM_NAMES) - 3 :])
+            shape_rows = measure(device, shape, args.repeats, dtype, baseline)
+            rows += shape_rows
+            print_table(shape_rows)
             print()
             if args.profile and device.type == "cuda":
-                print_profile(device, shape, dtype)
+                print_profile(device, shape, dtype, baseline)
                 print()
     if args.json:
         with open(args.json, "w") as f:

@@ -3,7 +3,8 @@
 Not a test: a measurement to run by hand, on CPU and, when available, CUDA:
 
     python tools/benchmark_train.py [--norms GN,SN,FrozenBN] [--rounds 8] [--threads N] [--json out.json]
-                                    [--graphed-backbone] [--config-file configs/demo_mask_rcnn_gn.yaml] [KEY VALUE ...]
+                                    [--graphed-backbone] [--baseline REF] [--config-file configs/demo_mask_rcnn_gn.yaml]
+                                    [KEY VALUE ...]
     python tools/benchmark_train.py --config-file configs/lazy/mask_rcnn_sn_lsj_100ep.py --norms GN,SN \\
                                     --graphed-backbone [key=value ...]
 
@@ -27,6 +28,8 @@ the floor any normalizer is compared with.
   inference's), labelled ``SN+graphs``; the ratios are then to ``GN+graphs``, and GN without graphs is
   timed beside it. It needs CUDA and inputs of one size, such as the LSJ configs' 1024 x 1024 crops: the
   tool stops if the warm-up has not captured both graphs of every setting.
+- ``--baseline REF``: each of our learned norms also with its layers as commit REF of this checkout has
+  them (``baseline``), labelled ``SN @COMMIT``, in the same rounds.
 
 Kernels are compiled or chosen per input shape (Triton's specializations of its integer arguments, cuDNN's
 and oneDNN's algorithms), and the batches' image sizes differ: every setting first runs every batch once,
@@ -55,7 +58,8 @@ from detectron2.utils.events import EventStorage
 from .. import d2
 from ..d2.graphed_backbone import graph_backbone
 from ..data.datasets import register_shapes_datasets
-from ..layers import NORM_NAMES, NormFactory
+from ..layers import NORM_NAMES, NormBase, NormFactory
+from .baseline import baseline_layers, with_baseline_norms
 from .launch import load_cfg
 from .timing import (
     device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs, range_text, ratio_to,
@@ -91,10 +95,12 @@ class YamlModels:
         loader = iter(build_detection_train_loader(self.cfg))
         return [next(loader) for _ in range(count)]
 
-    def build(self, norm: str):
+    def build(self, norm: str, transform=None):
+        """The model of ``norm`` (``transform(model)`` first, if given) and its optimizer."""
         cfg = self._norm_cfgs[norm]
         torch.manual_seed(cfg.SEED)
         model = build_model(cfg)
+        model = transform(model) if transform else model
         return model, d2.build_optimizer(cfg, model)
 
 
@@ -120,7 +126,8 @@ class LazyModels:
         loader = iter(instantiate(self.cfg.dataloader.train))
         return [next(loader) for _ in range(count)]
 
-    def build(self, norm: str):
+    def build(self, norm: str, transform=None):
+        """The model of ``norm`` (``transform(model)`` first, if given) and its optimizer."""
         cfg = copy.deepcopy(self.cfg)
         layer = L(NormFactory)(name=norm) if norm in NORM_NAMES else norm  # detectron2's names as they are
         for key in LAZY_NORM_KEYS:
@@ -128,6 +135,7 @@ class LazyModels:
             setattr(functools.reduce(getattr, parents, cfg), name, layer)
         torch.manual_seed(cfg.train.get("seed", 0))
         model = instantiate(cfg.model).to(self.device)
+        model = transform(model) if transform else model
         cfg.optimizer.params.model = model
         return model, instantiate(cfg.optimizer)
 
@@ -166,14 +174,23 @@ class Setting:
         return device_seconds(lambda: self.model(inputs), self.device)
 
 
-def setting_labels(norms, graphed: bool) -> dict:
-    """Label -> (norm, graphed backbone): the reference first; with graphs, every norm graphed and the
-    reference also without graphs, beside its graphed twin."""
+def setting_labels(norms, graphed: bool, baseline: Optional[str] = None) -> dict:
+    """Label -> (norm, graphed backbone, with the baseline's layers): the reference first; with graphs, every
+    norm graphed and the reference also without graphs, beside its graphed twin; with a ``baseline`` label,
+    each of our learned norms also as the baseline commit has it, after it."""
     if not graphed:
-        return {norm: (norm, False) for norm in norms}
-    labels = {norms[0] + GRAPHED: (norms[0], True), norms[0]: (norms[0], False)}
-    labels.update({norm + GRAPHED: (norm, True) for norm in norms[1:]})
-    return labels
+        labels = {norm: (norm, False, False) for norm in norms}
+    else:
+        labels = {norms[0] + GRAPHED: (norms[0], True, False), norms[0]: (norms[0], False, False)}
+        labels.update({norm + GRAPHED: (norm, True, False) for norm in norms[1:]})
+    if baseline is None:
+        return labels
+    with_baseline = {}
+    for label, (norm, graphed_setting, _) in labels.items():
+        with_baseline[label] = (norm, graphed_setting, False)
+        if norm in NORM_NAMES and norm != "GN":  # GN is torch's group norm in both
+            with_baseline[f"{label} {baseline}"] = (norm, graphed_setting, True)
+    return with_baseline
 
 
 def check_graphs_captured(settings, graphed_labels) -> None:
@@ -214,7 +231,13 @@ def main(argv: Optional[Sequence[str]] = None):
         help=f"replay every norm's backbone and FPN as CUDA graphs (ratios to {REFERENCE}{GRAPHED}; {REFERENCE} "
         "eager is timed beside it); needs CUDA and inputs of one size",
     )  # fmt: skip
+    parser.add_argument("--baseline", metavar="REF", help="also time each of our learned norms with its layers as "
+                        "commit REF of this checkout has them, side by side (settings 'NAME @COMMIT')")  # fmt: skip
     args = parser.parse_args(argv)
+    try:
+        baseline = baseline_layers(args.baseline) if args.baseline else None
+    except ValueError as error:
+        parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -227,15 +250,16 @@ def main(argv: Optional[Sequence[str]] = None):
         raise ValueError(f"--graphed-backbone replays CUDA graphs, and the model is on {device}")
     norms = timed_norms(args.norms, REFERENCE)
     source.check(norms)
-    labels = setting_labels(norms, args.graphed_backbone)
+    labels = setting_labels(norms, args.graphed_backbone, baseline and baseline[0])
     reference = next(iter(labels))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     precision = ", mixed precision (fp16)" if source.amp else ""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, device {gpu or 'cpu'}{precision}")
     batches = source.batches(args.rounds)
     settings = {}
-    for label, (norm, graphed) in labels.items():
-        model, optimizer = source.build(norm)
+    for label, (norm, graphed, old_layers) in labels.items():
+        transform = functools.partial(with_baseline_norms, baseline[1], norm_base=NormBase) if old_layers else None
+        model, optimizer = source.build(norm, transform)
         if graphed:
             graph_backbone(model, max_graphs=MAX_GRAPHS, warmup=GRAPH_WARMUP)
         settings[label] = Setting(model, optimizer, source.amp)
@@ -245,7 +269,7 @@ def main(argv: Optional[Sequence[str]] = None):
         for batch in itertools.islice(itertools.cycle(batches), warmup_calls):
             setting.train_step(batch)
             setting.inference(batch)
-    check_graphs_captured(settings, [label for label, (_, graphed) in labels.items() if graphed])
+    check_graphs_captured(settings, [label for label, (_, graphed, _) in labels.items() if graphed])
     train = ratio_to(interleaved_seconds(settings, batches, lambda s, batch: s.train_step(batch), 0), reference)
     inference = ratio_to(interleaved_seconds(settings, batches, lambda s, batch: s.inference(batch), 0), reference)
 
@@ -257,7 +281,7 @@ def main(argv: Optional[Sequence[str]] = None):
             "train_vs_gn_range": train[label]["ratio_range"], "inference_seconds": inference[label]["seconds"],
             "inference_vs_gn": inference[label]["ratio"], "inference_vs_gn_range": inference[label]["ratio_range"],
         }
-        for label, (norm, graphed) in labels.items()
+        for label, (norm, graphed, _) in labels.items()
     ]
     print_table(rows, reference)
     if args.json:

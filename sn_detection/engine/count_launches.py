@@ -3,17 +3,20 @@ gradients set to None first) and inference forward, next to torch's GroupNorm an
 (``sn_detection.layers.launches``). On a GPU each launch costs microseconds of host time, so this is what
 makes a layer host-bound there; counted on any machine:
 
-    python tools/count_launches.py [--device cuda] [--json counts.json]
+    python tools/count_launches.py [--device cuda] [--json counts.json] [--host-time [--baseline REF]]
     TRITON_INTERPRET=1 $(tools/setup_kernel_env.sh) tools/count_launches.py   # the GPU's path, on the CPU
 
 Without a GPU and without the interpreter, the layers run their PyTorch path, and that is what is counted.
-``--host-time`` also times each layer's training step on the kernel path with its Triton launches skipped:
-the host's work around the kernels, beside torch's GroupNorm(32) (``host_times``).
+``--host-time`` also times each layer's training step and evaluation forward on the kernel path with its
+Triton launches skipped: the host's work around the kernels, beside torch's GroupNorm(32) (``host_times``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import importlib
 import json
 import time
 from typing import Optional, Sequence
@@ -23,22 +26,37 @@ from torch import nn
 
 from ..layers import NORM_NAMES, build_norm, passes
 from ..layers.launches import layer_counts, skipped_launches
+from .baseline import baseline_layers, baseline_twin
 from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, positive_int, range_text, ratio_to
 
 
-def host_times(device: torch.device, rounds: int, shape=(2, 256, 6, 6), steps: int = 100) -> dict:
+def host_times(device: torch.device, rounds: int, shape=(2, 256, 6, 6), steps: int = 100, baseline=None) -> dict:
     """Per layer (torch's GroupNorm(32), then every name of ``build_norm``): seconds of one training forward +
-    backward (gradients set to None first), averaged over ``steps``, with the Triton launches skipped
-    (``launches.skipped_launches``; torch's GroupNorm runs whole), as ``timing.ratio_to`` summarises
-    ``rounds`` interleaved rounds, on one intra-op thread. On the CPU the seconds are this process's CPU
-    time, the host's work whatever else the machine runs; on CUDA wall time with the device synchronised
-    around each round's steps. What the layers compute is meaningless (no kernel runs): each is a copy
-    built for this."""
+    backward (gradients set to None first, ``"train"``) and of one evaluation forward without gradients
+    (``"eval"``), averaged over ``steps``, with the Triton launches skipped (``launches.skipped_launches``;
+    torch's GroupNorm runs whole), as ``timing.ratio_to`` summarises ``rounds`` interleaved rounds, on one
+    intra-op thread. On the CPU the seconds are this process's CPU time, the host's work whatever else the
+    machine runs; on CUDA wall time with the device synchronised around each round's steps. What the layers
+    compute is meaningless (no kernel runs): each is a copy built for this. With a ``baseline``
+    (``baseline.baseline_layers``), each learned norm's twin of that commit is timed beside it, its launches
+    skipped too."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=generator).to(device).requires_grad_()
     grad_y = torch.randn(shape, generator=generator).to(device)
-    layers = {"torch GN(32)": nn.GroupNorm(32, shape[1]), **{name: build_norm(name, shape[1]) for name in NORM_NAMES}}
-    layers = {label: (layer.to(device).train(), list(layer.parameters())) for label, layer in layers.items()}
+    layers = {"torch GN(32)": nn.GroupNorm(32, shape[1])}
+    for name in NORM_NAMES:
+        layers[name] = build_norm(name, shape[1])
+        if baseline is not None and name != "GN":  # GN is torch's group norm in both
+            layers[f"{name} {baseline[0]}"] = baseline_twin(baseline[1], layers[name])
+    training = {label: (layer.to(device).train(), list(layer.parameters())) for label, layer in layers.items()}
+    evaluation = {label: copy.deepcopy(layer).eval() for label, layer in layers.items()}
+
+    def timed(run):
+        if device.type == "cuda":
+            return device_seconds(run, device) / steps
+        start = time.process_time()
+        run()
+        return (time.process_time() - start) / steps
 
     def training_steps(candidate, _):
         layer, parameters = candidate
@@ -50,20 +68,29 @@ def host_times(device: torch.device, rounds: int, shape=(2, 256, 6, 6), steps: i
                 x.grad = None
                 layer(x).backward(grad_y)
 
-        if device.type == "cuda":
-            return device_seconds(run, device) / steps
-        start = time.process_time()
-        run()
-        return (time.process_time() - start) / steps
+        return timed(run)
+
+    def evaluation_forwards(layer, _):
+        def run():
+            with torch.no_grad():
+                for _ in range(steps):
+                    layer(x)
+
+        return timed(run)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with skipped_launches():
-            times = interleaved_seconds(layers, range(WARMUP_ROUNDS + rounds), training_steps)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(skipped_launches())
+            if baseline is not None:
+                launches = importlib.import_module(baseline[1].__name__ + ".launches")
+                stack.enter_context(launches.skipped_launches())
+            train = interleaved_seconds(training, range(WARMUP_ROUNDS + rounds), training_steps)
+            evaluate = interleaved_seconds(evaluation, range(WARMUP_ROUNDS + rounds), evaluation_forwards)
     finally:
         torch.set_num_threads(threads)
-    return ratio_to(times, "torch GN(32)")
+    return {"train": ratio_to(train, "torch GN(32)"), "eval": ratio_to(evaluate, "torch GN(32)")}
 
 
 def main(argv: Optional[Sequence[str]] = None):
@@ -73,7 +100,15 @@ def main(argv: Optional[Sequence[str]] = None):
     parser.add_argument("--host-time", action="store_true",
                         help="also time each layer's training step with its Triton launches skipped (needs the kernel path)")
     parser.add_argument("--rounds", type=positive_int, default=15, help="--host-time: rounds, the layers in turn in each (default: 15)")
+    parser.add_argument("--baseline", metavar="REF", help="--host-time: also time each learned norm as commit REF of "
+                        "this checkout has it, side by side (rows 'NAME @COMMIT')")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.baseline and not args.host_time:
+        parser.error("--baseline times the host's work: give --host-time too")
+    try:
+        baseline = baseline_layers(args.baseline) if args.baseline else None
+    except ValueError as error:
+        parser.error(str(error))
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -92,15 +127,21 @@ def main(argv: Optional[Sequence[str]] = None):
                 f"{row['inference_launches']:18} {row['inference_syncs']:5}")
         print(line + (f" {row['train_kernels_profiled']:16}" if profiled else ""))
     if args.host_time:
-        times = host_times(device, args.rounds)
+        times = host_times(device, args.rounds, baseline=baseline)
         clock = "wall time" if device.type == "cuda" else "CPU time"
-        print(f"\nhost time ({clock}) of a training step with the Triton launches skipped (torch GN whole), "
-              f"{args.rounds} rounds:")  # fmt: skip
-        for label, timed in times.items():
-            print(f"{label:13} {timed['seconds'] * 1e6:8.0f} us {timed['ratio']:6.2f}x torch GN(32) "
-                  f"({range_text(timed['ratio_range'])})")
+        print(f"\nhost time ({clock}) with the Triton launches skipped (torch GN whole), {args.rounds} rounds: a "
+              "training step (forward + backward) and an evaluation forward, each beside torch GN(32)'s")  # fmt: skip
+        width = max(13, *map(len, times["train"]))
+        print(f"{'layer':{width}} {'train':>8}    {'x torch GN':>10} {'(rounds)':>11} {'eval':>8}    {'x torch GN':>10} "
+              f"{'(rounds)':>11}")  # fmt: skip
+        for label, train in times["train"].items():
+            evaluation = times["eval"][label]
+            print(f"{label:{width}} {train['seconds'] * 1e6:8.0f} us {train['ratio']:9.2f}x ({range_text(train['ratio_range'])}) "
+                  f"{evaluation['seconds'] * 1e6:8.0f} us {evaluation['ratio']:9.2f}x "
+                  f"({range_text(evaluation['ratio_range'])})")  # fmt: skip
         for row in rows:
-            row["host_time"] = times.get(row["layer"])
+            row["host_time"] = times["train"].get(row["layer"])
+            row["host_time_eval"] = times["eval"].get(row["layer"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

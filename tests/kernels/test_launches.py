@@ -83,7 +83,8 @@ def test_skipped_launches_run_no_kernel_and_end_with_the_block():
 
 def test_the_tool_times_every_layers_host_work_without_detectron2(tmp_path):
     """The launch count's tool runs where detectron2 is absent (the kernel-test environment has none), and
-    --host-time gives every layer a time and a ratio to torch's GroupNorm."""
+    --host-time gives every layer a training-step and an evaluation-forward time and a ratio to torch's
+    GroupNorm."""
     import json
     import subprocess
     import sys
@@ -96,7 +97,9 @@ def test_the_tool_times_every_layers_host_work_without_detectron2(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["layer"]: row for row in json.loads((tmp_path / "counts.json").read_text())}
-    assert rows["torch BN"]["host_time"] is None and rows["torch GN(32)"]["host_time"]["ratio"] == 1.0
+    for key in ("host_time", "host_time_eval"):
+        assert rows["torch BN"][key] is None and rows["torch GN(32)"][key]["ratio"] == 1.0
+        for name in NORM_NAMES:
+            assert rows[name][key]["seconds"] > 0, rows[name]
     for name in NORM_NAMES:
-        assert rows[name]["host_time"]["seconds"] > 0, rows[name]
         assert f"\n{name} " in result.stdout
