@@ -81,7 +81,7 @@ channel, so:
 
 Everything is float32 (fp16 / bf16 parameters and buffers are widened, and their gradients and updates
 stored in their dtype); variances are two-pass or pooled by the law of total variance. The kernels apply
-to any C whose scratch planes, (4 L + 4) * N * C float32 values in all, are indexed in int32; beyond
+to any C whose blocks, the largest (4 L + 6) * N * C float32 values, are indexed in int32; beyond
 (``DynamicKernels.applies``) and during a running batch average, the layer keeps the autograd path.
 """
 
@@ -137,17 +137,20 @@ if triton is not None:
 
     @triton.jit
     def _forward_kernel(
-        mean_ptr, var_ptr, weight_ptr, bias_ptr, gates_ptr, batch_gate_ptr,
-        running_mean_ptr, running_var_ptr, tracked_ptr, scale_ptr, shift_ptr, state_ptr,
+        moments_ptr, weight_ptr, bias_ptr, gates_ptr, batch_gate_ptr,
+        running_mean_ptr, running_var_ptr, tracked_ptr, affine_ptr,
         N, C, eps, momentum,
         NUM_LEVELS: tl.constexpr, ODD: tl.constexpr, BATCH_STATS: tl.constexpr, UPDATE_VAR: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        # One program: BLOCK_N samples. Planes of state_ptr, each (N, C): 0 Delta_b, 1 X_b; 2 + 2j, 3 + 2j
-        # the state (O_j, V_j) before channel level j (j = L: the final one); 4 + 2L + 2j, 5 + 2L + 2j
-        # Delta_j, X_j.
+        # One program: BLOCK_N samples. The blocks (``MapPasses``): moments (m, v), affine (scale, shift,
+        # then the state planes). Planes of state_ptr, each (N, C): 0 Delta_b, 1 X_b; 2 + 2j, 3 + 2j the
+        # state (O_j, V_j) before channel level j (j = L: the final one); 4 + 2L + 2j, 5 + 2L + 2j Delta_j,
+        # X_j.
         pid = tl.program_id(0)
         plane = N * C
+        mean_ptr, var_ptr = moments_ptr, moments_ptr + plane
+        scale_ptr, shift_ptr, state_ptr = affine_ptr, affine_ptr + plane, affine_ptr + 2 * plane
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
         row_base = rows[:, None] * C
@@ -253,15 +256,18 @@ if triton is not None:
 
     @triton.jit
     def _levels_backward_kernel(
-        dot_ptr, total_ptr, scale_ptr, gates_ptr, state_ptr, grad_ptr, partial_ptr,
+        sums_ptr, affine_ptr, gates_ptr, pq_ptr,
         N, C, eps,
         NUM_LEVELS: tl.constexpr, ODD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        # One program: BLOCK_N samples. Planes of grad_ptr: 2j, 2j + 1 the gradients (G_M, G_V) of the
-        # state before channel level j (j = L: the final state). partial_ptr (N, L + 1): each sample's
+        # One program: BLOCK_N samples. The blocks: sums (D, S), affine (the forward's), pq (p, q, then the
+        # planes of grad_ptr and partial_ptr). Planes of grad_ptr: 2j, 2j + 1 the gradients (G_M, G_V) of
+        # the state before channel level j (j = L: the final state). partial_ptr (N, L + 1): each sample's
         # share of each channel gate's gradient, then of the batch gate's.
         pid = tl.program_id(0)
         plane = N * C
+        dot_ptr, total_ptr, scale_ptr, state_ptr = sums_ptr, sums_ptr + plane, affine_ptr, affine_ptr + 2 * plane
+        grad_ptr, partial_ptr = pq_ptr + 2 * plane, pq_ptr + (2 * NUM_LEVELS + 4) * plane
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
         row_base = rows[:, None] * C
@@ -321,15 +327,17 @@ if triton is not None:
 
     @triton.jit
     def _batch_backward_kernel(
-        dot_ptr, total_ptr, scale_ptr, batch_gate_ptr, state_ptr, grad_ptr, partial_ptr,
-        p_ptr, q_ptr, grad_weight_ptr, grad_bias_ptr, grad_gates_ptr, grad_batch_gate_ptr,
-        N, C, spatial, eps,
+        sums_ptr, affine_ptr, batch_gate_ptr, pq_ptr, grad_weight_ptr, grad_bias_ptr, grad_gates_ptr,
+        grad_batch_gate_ptr, N, C, spatial, eps,
         NUM_LEVELS: tl.constexpr, BATCH_STATS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
         BLOCK_L: tl.constexpr,
     ):
-        # One program: BLOCK_C channels over the whole batch.
+        # One program: BLOCK_C channels over the whole batch; the blocks as in _levels_backward_kernel.
         pid = tl.program_id(0)
         plane = N * C
+        dot_ptr, total_ptr, scale_ptr, state_ptr = sums_ptr, sums_ptr + plane, affine_ptr, affine_ptr + 2 * plane
+        p_ptr, q_ptr = pq_ptr, pq_ptr + plane
+        grad_ptr, partial_ptr = pq_ptr + 2 * plane, pq_ptr + (2 * NUM_LEVELS + 4) * plane
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < C
         b_on = tl.load(batch_gate_ptr).to(tl.float32) > 0
@@ -399,9 +407,8 @@ class DynamicKernels:
         block_c = min(next_pow2(c), _MAX_CHUNK)
         block_n = min(next_pow2(n), max(_TILE // block_c, 1))
         self.sample_grid = (cdiv(n, block_n),)
-        self.state_shape = (4 * levels + 4, n, c)
-        self.scratch_shape = (2 * levels + 2, n, c)
-        self.partial_shape = (n, levels + 1)
+        self.state_size = (4 * levels + 4) * n * c  # after the affine block's scale and shift
+        self.backward_size = (2 * levels + 2) * n * c + n * (levels + 1)  # after the pq block's p and q
         # a batch of one value per channel moves the running mean only (``running``)
         self.forward_constants = dict(
             NUM_LEVELS=levels, ODD=odd, BATCH_STATS=self.training, UPDATE_VAR=n * h * w > 1, BLOCK_N=block_n,
@@ -418,39 +425,36 @@ class DynamicKernels:
 
     @staticmethod
     def applies(layer, x: Tensor) -> bool:
-        """Whether the kernels take this input: every scratch plane indexed in int32."""
+        """Whether the kernels take this input: every block indexed in int32 (the affine block, scale and
+        shift and the state planes, is the largest)."""
         n, c = x.shape[:2]
-        planes = 4 * len(layer._gated_sizes) + 4
+        planes = 4 * len(layer._gated_sizes) + 6
         return planes * n * c < 2**31
 
-    def forward(self, layer, parameters, mean: Tensor, var: Tensor):
+    def forward(self, layer, parameters, moments: Tensor):
         weight, bias, channel_gates, batch_gate = parameters
-        n, c = mean.shape
-        scale, shift = torch.empty_like(mean), torch.empty_like(mean)
-        state = mean.new_empty(self.state_shape)
+        n, c = self.passes.vector_shape
+        affine = self.passes.block(moments, 2, self.state_size)
         gates = channel_gates if self.num_levels else batch_gate  # never read when there are none
         running = layer.running_buffers()
-        launch(_forward_kernel, self.sample_grid, mean, var, weight, bias, gates, batch_gate, *running, scale, shift,
-               state, n, c, layer.eps, layer.momentum, **self.forward_constants)  # fmt: skip
+        launch(_forward_kernel, self.sample_grid, moments, weight, bias, gates, batch_gate, *running, affine, n, c,
+               layer.eps, layer.momentum, **self.forward_constants)  # fmt: skip
         if self.training:
             written_in_place(*running)
-        return scale, shift, (scale, state)
+        return affine, None
 
-    def backward(self, layer, parameters, mean: Tensor, var: Tensor, saved, dot: Tensor, total: Tensor):
-        scale, state = saved
+    def backward(self, layer, parameters, moments: Tensor, affine: Tensor, saved, sums: Tensor):
         _, _, channel_gates, batch_gate = parameters
-        n, c = mean.shape
+        n, c = self.passes.vector_shape
         levels = self.num_levels
         grads = [torch.empty_like(t) for t in parameters]
-        scratch = mean.new_empty(self.scratch_shape)
-        partial = mean.new_empty(self.partial_shape)
-        p, q = torch.empty_like(mean), torch.empty_like(mean)
+        pq = self.passes.block(moments, 2, self.backward_size)
         gates = channel_gates if levels else batch_gate  # never read when there are none
         grad_gates = grads[2] if levels else grads[3]  # never written when there are none
-        launch(_levels_backward_kernel, self.sample_grid, dot, total, scale, gates, state, scratch, partial, n, c,
-               layer.eps, **self.levels_constants)  # fmt: skip
-        launch(_batch_backward_kernel, self.channel_grid, dot, total, scale, batch_gate, state, scratch, partial, p, q,
-               grads[0], grads[1], grad_gates, grads[3], n, c, self.spatial, layer.eps, **self.batch_constants)  # fmt: skip
+        launch(_levels_backward_kernel, self.sample_grid, sums, affine, gates, pq, n, c, layer.eps,
+               **self.levels_constants)  # fmt: skip
+        launch(_batch_backward_kernel, self.channel_grid, sums, affine, batch_gate, pq, grads[0], grads[1], grad_gates,
+               grads[3], n, c, self.spatial, layer.eps, **self.batch_constants)  # fmt: skip
         if not levels:  # no channel gate (C = 1): nothing uses the empty parameter, as autograd sees it
             grads[2] = None
-        return scale, p, q, grads
+        return pq, grads

@@ -6,12 +6,13 @@ statistics) as separate tensor operations and differentiates them with autograd:
 forward and backward, each a kernel launch on a GPU, which costs host time whatever it computes. Here a
 layer with closed forms (``FusedPlan``) runs as
 
-    forward:   moments_and_residual(x) -> [mean, var] -> one step: scale, shift (and the running
-               statistics) -> scale_shift(x)
-    backward:  centered_dot_and_sum(grad_y, x) -> [D, S] -> one step: p, q and every parameter's
+    forward:   moments_and_residual(x) -> [mean, var, residual] -> one step: [scale, shift] (and the
+               running statistics) -> scale_shift(x)
+    backward:  centered_dot_and_sum(grad_y, x) -> [D, S] -> one step: [p, q] and every parameter's
                gradient -> grad_input(grad_y, x) at the exact mean, mean + residual (``passes``)
 
-where D = sum_HW grad_y (x - mean) and S = sum_HW grad_y per (n, c), and the closed forms are the
+where D = sum_HW grad_y (x - mean) and S = sum_HW grad_y per (n, c), each [...] one block of (N, C) rows (one
+allocation on the kernel path, ``triton_kernels.MapPasses``), and the closed forms are the
 derivatives of the layer's small (N, C) graph, written out by hand for each layer (its kernel module,
 ``switchable_kernels``, ``dynamic_kernels``, ``mode_kernels``, says how). On the kernel path
 (``passes.kernel_path``) the passes and the two steps are Triton kernels, six launches in all; SN also has
@@ -44,19 +45,19 @@ class FusedPlan(Protocol):
     holds no tensor: the layer and its ``parameters`` (``parameter_tuple()``, in that order) come with
     each call. ``passes`` are the full-size passes over such inputs on that path
     (``triton_kernels.MapPasses`` with Triton kernels, ``passes.TorchPasses`` with closed forms as tensor
-    operations), for the forward and the backward alike."""
+    operations), for the forward and the backward alike; the (N, C) statistics travel between them in
+    blocks of rows (``MapPasses``): moments (mean, variance, residual), affine (scale, shift), sums (D, S),
+    pq (p, q)."""
 
     passes: object
 
-    def forward(self, layer, parameters: Sequence[Tensor], mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor, object]:
-        """(scale, shift) of the output (x - mean) * scale + shift from the IN moments (N, C), and what
-        ``backward`` needs; records the running statistics in training."""
+    def forward(self, layer, parameters: Sequence[Tensor], moments) -> tuple[object, object]:
+        """The affine block of the output (x - mean) * scale + shift from the moments block, and what
+        ``backward`` needs besides the two; records the running statistics in training."""
 
-    def backward(
-        self, layer, parameters: Sequence[Tensor], mean: Tensor, var: Tensor, saved, dot: Tensor, total: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, list[Optional[Tensor]]]:
-        """From D and S: (scale, p, q, gradients of the layer's ``parameters``, in their order), with
-        grad_x = grad_y * scale + (x - mean) * p + q."""
+    def backward(self, layer, parameters: Sequence[Tensor], moments, affine, saved, sums) -> tuple[object, list]:
+        """From the sums block: the pq block, grad_x = grad_y * scale + (x - mean - residual) * p + q, and
+        the gradients of the layer's ``parameters``, in their order."""
 
 
 def written_in_place(*tensors: Tensor) -> None:
@@ -88,23 +89,23 @@ def normalize(layer, plan: FusedPlan, x: Tensor, parameters: Sequence[Tensor], t
 
 def _forward(layer, plan: FusedPlan, x: Tensor, parameters: Sequence[Tensor]) -> Tensor:
     over = plan.passes
-    mean, var = over.moments(x)
-    scale, shift, _ = plan.forward(layer, parameters, mean, var)
-    return over.scale_shift(x, scale, shift, mean)
+    moments = over.moments(x)
+    affine, _ = plan.forward(layer, parameters, moments)
+    return over.scale_shift(x, affine, moments)
 
 
 class _FusedNormalize(torch.autograd.Function):
     """Saved for the backward: x and the parameters (``save_for_backward``: autograd checks that they are
-    unchanged), and the node's own (N, C) intermediates, which nothing else sees, as attributes."""
+    unchanged), and the node's own blocks, which nothing else sees, as attributes."""
 
     @staticmethod
     def forward(ctx, x: Tensor, layer, plan: FusedPlan, *parameters: Tensor):
         over = plan.passes
-        mean, var, residual = over.moments_and_residual(x)
-        scale, shift, saved = plan.forward(layer, parameters, mean, var)
+        moments = over.moments_and_residual(x)
+        affine, saved = plan.forward(layer, parameters, moments)
         ctx.save_for_backward(x, *parameters)
-        ctx.layer, ctx.plan, ctx.statistics = layer, plan, (mean, var, residual, saved)
-        return over.scale_shift(x, scale, shift, mean)
+        ctx.layer, ctx.plan, ctx.blocks = layer, plan, (moments, affine, saved)
+        return over.scale_shift(x, affine, moments)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
@@ -113,12 +114,12 @@ class _FusedNormalize(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
             grad_x, grad_parameters = replayed_gradients(ctx.layer.replayed_forward, x, parameters, grad_y, needs[0], needs[3:])
             return (grad_x, None, None, *grad_parameters)
-        mean, var, residual, saved = ctx.statistics
+        moments, affine, saved = ctx.blocks
         plan = ctx.plan
         over = plan.passes
-        dot, total = over.centered_dot_and_sum(grad_y, x, mean)
-        scale, p, q, grad_parameters = plan.backward(ctx.layer, parameters, mean, var, saved, dot, total)
-        grad_x = over.grad_input(grad_y, x, scale, p, q, mean, residual) if needs[0] else None
+        sums = over.centered_dot_and_sum(grad_y, x, moments)
+        pq, grad_parameters = plan.backward(ctx.layer, parameters, moments, affine, saved, sums)
+        grad_x = over.grad_input(grad_y, x, affine, pq, moments, True) if needs[0] else None
         if not all(needs[3:]):
             grad_parameters = [g if needed else None for g, needed in zip(grad_parameters, needs[3:])]
         return (grad_x, None, None, *grad_parameters)

@@ -169,14 +169,17 @@ if triton is not None:
 
     @triton.jit
     def _mn_forward_kernel(
-        mean_ptr, var_ptr, weight_ptr, bias_ptr, gate_w_ptr, gate_b_ptr,
-        running_mean_ptr, running_var_ptr, tracked_ptr, scale_ptr, shift_ptr, stats_ptr,
+        moments_ptr, weight_ptr, bias_ptr, gate_w_ptr, gate_b_ptr,
+        running_mean_ptr, running_var_ptr, tracked_ptr, affine_ptr,
         N, C, K, eps, momentum, log_min_weight,
         BATCH_STATS: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        # stats: log g (N, K), log N_k (K), mu (K, C), var (K, C). Tiles [BLOCK_N, BLOCK_C, BLOCK_K]: the modes
-        # innermost; per-mode statistics of the channels as [BLOCK_C, BLOCK_K]
+        # The blocks (``MapPasses``): moments (m, v), affine (scale, shift, stats). stats: log g (N, K), log N_k
+        # (K), mu (K, C), var (K, C). Tiles [BLOCK_N, BLOCK_C, BLOCK_K]: the modes innermost; per-mode
+        # statistics of the channels as [BLOCK_C, BLOCK_K]
+        mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
+        scale_ptr, shift_ptr, stats_ptr = affine_ptr, affine_ptr + N * C, affine_ptr + 2 * N * C
         pid = tl.program_id(0)
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < C
@@ -305,12 +308,15 @@ if triton is not None:
 
     @triton.jit
     def _mn_backward_kernel(
-        mean_ptr, var_ptr, stats_ptr, dot_ptr, total_ptr, weight_ptr, gate_w_ptr,
-        p_ptr, q_ptr, grad_weight_ptr, grad_bias_ptr, grad_gate_w_ptr, grad_gate_b_ptr,
+        moments_ptr, affine_ptr, sums_ptr, weight_ptr, gate_w_ptr, pq_ptr,
+        grad_weight_ptr, grad_bias_ptr, grad_gate_w_ptr, grad_gate_b_ptr,
         N, C, K, spatial, eps, log_min_weight,
         BATCH_STATS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        # tiles [BLOCK_N, BLOCK_C, BLOCK_K]: the modes innermost
+        # The blocks: moments (m, v), affine (its stats after row 1), sums (D, S), pq (p, q). Tiles
+        # [BLOCK_N, BLOCK_C, BLOCK_K]: the modes innermost
+        mean_ptr, var_ptr, stats_ptr = moments_ptr, moments_ptr + N * C, affine_ptr + 2 * N * C
+        dot_ptr, total_ptr, p_ptr, q_ptr = sums_ptr, sums_ptr + N * C, pq_ptr, pq_ptr + N * C
         pid = tl.program_id(0)
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < C
@@ -408,11 +414,14 @@ if triton is not None:
 
     @triton.jit
     def _mgn_forward_kernel(
-        mean_ptr, var_ptr, weight_ptr, bias_ptr, gate_w_ptr, gate_b_ptr, scale_ptr, shift_ptr, stats_ptr,
+        moments_ptr, weight_ptr, bias_ptr, gate_w_ptr, gate_b_ptr, affine_ptr,
         N, C, K, eps,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        # stats: mu (N, K), var (N, K), L (N, K). Tiles [BLOCK_N, BLOCK_C, BLOCK_K]: the modes innermost
+        # The blocks (``MapPasses``): moments (m, v), affine (scale, shift, stats). stats: mu (N, K), var (N, K),
+        # L (N, K). Tiles [BLOCK_N, BLOCK_C, BLOCK_K]: the modes innermost
+        mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
+        scale_ptr, shift_ptr, stats_ptr = affine_ptr, affine_ptr + N * C, affine_ptr + 2 * N * C
         pid = tl.program_id(0)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
@@ -477,12 +486,15 @@ if triton is not None:
 
     @triton.jit
     def _mgn_backward_kernel(
-        mean_ptr, var_ptr, stats_ptr, dot_ptr, total_ptr, weight_ptr, gate_w_ptr, gate_b_ptr,
-        p_ptr, q_ptr, grad_weight_ptr, grad_bias_ptr, grad_gate_w_ptr, grad_gate_b_ptr,
+        moments_ptr, affine_ptr, sums_ptr, weight_ptr, gate_w_ptr, gate_b_ptr, pq_ptr,
+        grad_weight_ptr, grad_bias_ptr, grad_gate_w_ptr, grad_gate_b_ptr,
         N, C, K, spatial, eps,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        # tiles [BLOCK_N, BLOCK_C, BLOCK_K]: the modes innermost
+        # The blocks: moments (m, v), affine (its stats after row 1), sums (D, S), pq (p, q). Tiles
+        # [BLOCK_N, BLOCK_C, BLOCK_K]: the modes innermost
+        mean_ptr, var_ptr, stats_ptr = moments_ptr, moments_ptr + N * C, affine_ptr + 2 * N * C
+        dot_ptr, total_ptr, p_ptr, q_ptr = sums_ptr, sums_ptr + N * C, pq_ptr, pq_ptr + N * C
         pid = tl.program_id(0)
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < C
@@ -597,28 +609,25 @@ class ModeKernels:
             return None
         return ModeKernels(layer, x, min_mode_weight)
 
-    def forward(self, layer, parameters, mean: Tensor, var: Tensor):
-        weight, bias, gate_weight, gate_bias = parameters
-        n, c = mean.shape
-        scale, shift = torch.empty_like(mean), torch.empty_like(mean)
-        stats = mean.new_empty(self.stats_size)
+    def forward(self, layer, parameters, moments: Tensor):
+        n, c = self.passes.vector_shape
+        affine = self.passes.block(moments, 2, self.stats_size)
         running = layer.running_buffers()
-        launch(_mn_forward_kernel, self.grid, mean, var, weight, bias, gate_weight,
-               gate_bias, *running, scale, shift, stats, n, c, layer.num_modes, layer.eps, layer.momentum,
-               self.log_min_weight, UPDATE_RUNNING=self.batch_stats, **self.constants)  # fmt: skip
+        launch(_mn_forward_kernel, self.grid, moments, *parameters, *running, affine, n, c, layer.num_modes,
+               layer.eps, layer.momentum, self.log_min_weight, UPDATE_RUNNING=self.batch_stats,
+               **self.constants)  # fmt: skip
         if self.batch_stats:
             written_in_place(*running)
-        return scale, shift, (scale, stats)
+        return affine, None
 
-    def backward(self, layer, parameters, mean: Tensor, var: Tensor, saved, dot: Tensor, total: Tensor):
-        scale, stats = saved
+    def backward(self, layer, parameters, moments: Tensor, affine: Tensor, saved, sums: Tensor):
         weight, _, gate_weight, _ = parameters
-        n, c = mean.shape
-        p, q = torch.empty_like(mean), torch.empty_like(mean)
+        n, c = self.passes.vector_shape
+        pq = self.passes.block(moments, 2)
         grads = [torch.empty_like(t) for t in parameters]
-        launch(_mn_backward_kernel, self.grid, mean, var, stats, dot, total, weight, gate_weight, p, q, *grads, n, c,
+        launch(_mn_backward_kernel, self.grid, moments, affine, sums, weight, gate_weight, pq, *grads, n, c,
                layer.num_modes, self.spatial, layer.eps, self.log_min_weight, **self.constants)  # fmt: skip
-        return scale, p, q, grads
+        return pq, grads
 
 
 class ModeGroupKernels:
@@ -644,20 +653,18 @@ class ModeGroupKernels:
             return None
         return ModeGroupKernels(layer, x)
 
-    def forward(self, layer, parameters, mean: Tensor, var: Tensor):
-        n, c = mean.shape
-        scale, shift = torch.empty_like(mean), torch.empty_like(mean)
-        stats = mean.new_empty(self.stats_size)
-        launch(_mgn_forward_kernel, self.forward_grid, mean, var, *parameters, scale, shift, stats, n, c,
-               layer.num_modes, layer.eps, **self.forward_constants)  # fmt: skip
-        return scale, shift, (scale, stats)
+    def forward(self, layer, parameters, moments: Tensor):
+        n, c = self.passes.vector_shape
+        affine = self.passes.block(moments, 2, self.stats_size)
+        launch(_mgn_forward_kernel, self.forward_grid, moments, *parameters, affine, n, c, layer.num_modes,
+               layer.eps, **self.forward_constants)  # fmt: skip
+        return affine, None
 
-    def backward(self, layer, parameters, mean: Tensor, var: Tensor, saved, dot: Tensor, total: Tensor):
-        scale, stats = saved
+    def backward(self, layer, parameters, moments: Tensor, affine: Tensor, saved, sums: Tensor):
         weight, _, gate_weight, gate_bias = parameters
-        n, c = mean.shape
-        p, q = torch.empty_like(mean), torch.empty_like(mean)
+        n, c = self.passes.vector_shape
+        pq = self.passes.block(moments, 2)
         grads = [torch.empty_like(t) for t in parameters]
-        launch(_mgn_backward_kernel, self.backward_grid, mean, var, stats, dot, total, weight, gate_weight, gate_bias,
-               p, q, *grads, n, c, layer.num_modes, self.spatial, layer.eps, **self.backward_constants)  # fmt: skip
-        return scale, p, q, grads
+        launch(_mgn_backward_kernel, self.backward_grid, moments, affine, sums, weight, gate_weight, gate_bias, pq,
+               *grads, n, c, layer.num_modes, self.spatial, layer.eps, **self.backward_constants)  # fmt: skip
+        return pq, grads

@@ -72,9 +72,27 @@ def uses_triton(x: Tensor) -> bool:
     return not torch.is_grad_enabled() and kernel_path(x)
 
 
+def torch_scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor) -> Tensor:
+    """``scale_shift`` in PyTorch operations: computed in scale's dtype, returned in x's."""
+    return _torch_scale_shift(x.to(scale.dtype), scale, shift, center).to(x.dtype)
+
+
+def torch_grad_input(
+    grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor, residual: Optional[Tensor] = None
+) -> Tensor:
+    """``grad_input`` in PyTorch operations: computed in scale's dtype, returned in x's."""
+    xs = x.to(scale.dtype)
+    if residual is not None:  # (x - center - residual) p + q, with the (N, C) part folded into q
+        q = q - p * residual
+    # one full-size write, then an in-place update: no second full-size temporary
+    grad_x = _torch_scale_shift(xs, p, q, center)
+    return grad_x.addcmul_(grad_y.to(scale.dtype), scale[:, :, None, None]).to(x.dtype)
+
+
 class TorchPasses:
-    """The four passes in PyTorch operations (module docstring), for any x: static methods, used as the
-    class itself."""
+    """The four passes of a layer's fused path in PyTorch operations, for any x, with blocks that are tuples
+    of (N, C) tensors in the statistics dtype, their rows as ``triton_kernels.MapPasses`` has them: static
+    methods, used as the class itself."""
 
     @staticmethod
     def moments(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -85,41 +103,37 @@ class TorchPasses:
         return torch_moments_and_residual(x.to(stat_dtype(x)))
 
     @staticmethod
-    def scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor) -> Tensor:
-        return _torch_scale_shift(x.to(scale.dtype), scale, shift, center).to(x.dtype)
+    def scale_shift(x: Tensor, affine, moments) -> Tensor:
+        return torch_scale_shift(x, affine[0], affine[1], moments[0])
 
     @staticmethod
-    def centered_dot_and_sum(grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Tensor, Tensor]:
+    def centered_dot_and_sum(grad_y: Tensor, x: Tensor, moments) -> tuple[Tensor, Tensor]:
+        center = moments[0]
         return _torch_centered_dot_and_sum(grad_y.to(center.dtype), x.to(center.dtype), center)
 
     @staticmethod
-    def grad_input(
-        grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor, residual: Optional[Tensor] = None
-    ) -> Tensor:
-        xs = x.to(scale.dtype)
-        if residual is not None:  # (x - center - residual) p + q, with the (N, C) part folded into q
-            q = q - p * residual
-        # one full-size write, then an in-place update: no second full-size temporary
-        grad_x = _torch_scale_shift(xs, p, q, center)
-        return grad_x.addcmul_(grad_y.to(scale.dtype), scale[:, :, None, None]).to(x.dtype)
+    def grad_input(grad_y: Tensor, x: Tensor, affine, pq, moments, residual: bool) -> Tensor:
+        return torch_grad_input(grad_y, x, affine[0], pq[0], pq[1], moments[0], moments[2] if residual else None)
 
 
-# The passes for tensors from outside a layer's plan: the Triton kernels' (``triton_kernels.MapPasses``) where
-# ``uses_triton(x)``, with the (N, C) vectors checked; else PyTorch's. (A layer's fused path runs the passes
-# its plan chose: ``fused.FusedPlan``.)
+# The passes for separate (N, C) tensors from outside a layer's plan (the autograd path): the Triton kernels'
+# (``triton_kernels.MapPasses``) where ``uses_triton(x)``, the vectors checked and put in blocks; else
+# PyTorch's. (A layer's fused path runs the passes its plan chose on its own blocks: ``fused.FusedPlan``.)
 
 
 def moments(x: Tensor) -> tuple[Tensor, Tensor]:
     """The IN mean and biased variance (N, C) of x, in the statistics dtype, without autograd."""
     if uses_triton(x):
-        return triton_kernels.MapPasses(x).moments(x)
+        mean, var = triton_kernels.MapPasses(x).moments(x).unbind(0)
+        return mean, var
     return TorchPasses.moments(x)
 
 
 def moments_and_residual(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``moments`` and each mean's residual (module docstring), without autograd."""
     if uses_triton(x):
-        return triton_kernels.MapPasses(x).moments_and_residual(x)
+        mean, var, residual = triton_kernels.MapPasses(x).moments_and_residual(x).unbind(0)
+        return mean, var, residual
     return TorchPasses.moments_and_residual(x)
 
 
@@ -127,15 +141,18 @@ def scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor) -> Tens
     """(x - center) * scale + shift with (N, C) scale, shift and center, computed in their dtype, returned
     in x's dtype as a new tensor that is no view."""
     if uses_triton(x):
-        return triton_kernels.MapPasses(x).scale_shift(x, *triton_kernels.checked_vectors(scale, shift, center))
-    return TorchPasses.scale_shift(x, scale, shift, center)
+        scale, shift, center = triton_kernels.checked_vectors(scale, shift, center)
+        return triton_kernels.MapPasses(x).scale_shift(x, torch.stack([scale, shift]), center)
+    return torch_scale_shift(x, scale, shift, center)
 
 
 def centered_dot_and_sum(grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Tensor, Tensor]:
     """sum(grad_y * (x - center)) and sum(grad_y) over H*W per (n, c), in center's dtype, in one read."""
     if uses_triton(x):
-        return triton_kernels.MapPasses(x).centered_dot_and_sum(grad_y, x, *triton_kernels.checked_vectors(center))
-    return TorchPasses.centered_dot_and_sum(grad_y, x, center)
+        (center,) = triton_kernels.checked_vectors(center)
+        dot, total = triton_kernels.MapPasses(x).centered_dot_and_sum(grad_y, x, center).unbind(0)
+        return dot, total
+    return TorchPasses.centered_dot_and_sum(grad_y, x, (center,))
 
 
 def grad_input(
@@ -144,9 +161,13 @@ def grad_input(
     """grad_y * scale + (x - center - residual) * p + q with (N, C) vectors (no residual: 0), returned in x's
     dtype; one write."""
     if uses_triton(x):
-        vectors = triton_kernels.checked_vectors(scale, p, q, center, *([] if residual is None else [residual]))
-        return triton_kernels.MapPasses(x).grad_input(grad_y, x, *vectors)
-    return TorchPasses.grad_input(grad_y, x, scale, p, q, center, residual)
+        scale, p, q, center = triton_kernels.checked_vectors(scale, p, q, center)
+        # the kernel reads the center from a moments block's row 0 and the residual from its row 2 (row 1, the
+        # variance, is not read)
+        moments = center if residual is None else torch.stack([center, center, *triton_kernels.checked_vectors(residual)])
+        pq = torch.stack([p, q])
+        return triton_kernels.MapPasses(x).grad_input(grad_y, x, scale, pq, moments, residual is not None)
+    return torch_grad_input(grad_y, x, scale, p, q, center, residual)
 
 
 def like(grad_y: Tensor, x: Tensor) -> Tensor:

@@ -64,10 +64,12 @@ if triton is not None:
 
     @triton.jit
     def _batch_statistics_kernel(
-        mean_ptr, var_ptr, running_mean_ptr, running_var_ptr, tracked_ptr, mu_ptr, r_ptr,
+        moments_ptr, running_mean_ptr, running_var_ptr, tracked_ptr, mu_ptr, r_ptr,
         N, C, eps, momentum, bessel,
         UPDATE_VAR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
+        # the moments block's rows: the IN means and variances (``triton_kernels.MapPasses``)
+        mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
         pid = tl.program_id(0)
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < C
@@ -237,10 +239,10 @@ class SkewnessKernels:
         running_mean, running_var, tracked = running = layer.running_buffers()
         if not self.batch_stats:
             return running_mean, running_var
-        mean, var = self.moments.moments(x)
-        n, c = mean.shape
-        mu, r = mean.new_empty(c), mean.new_empty(c)
-        launch(_batch_statistics_kernel, self.channel_grid, mean, var, *running, mu, r, n, c, layer.eps,
+        moments = self.moments.moments(x)
+        n, c = self.moments.vector_shape
+        mu, r = moments.new_empty(c), moments.new_empty(c)
+        launch(_batch_statistics_kernel, self.channel_grid, moments, *running, mu, r, n, c, layer.eps,
                layer.momentum, self.bessel, **self.statistics_constants)  # fmt: skip
         fused.written_in_place(*running)
         return mu, r

@@ -128,9 +128,10 @@ if triton is not None:
         return k, d, total / C
 
     @triton.jit
-    def _pooled_sums_kernel(mean_ptr, var_ptr, pooled_ptr, N, C, spatial, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _pooled_sums_kernel(moments_ptr, pooled_ptr, N, C, spatial, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
         # this process's float64 [count, sum of x (C), sum of x^2 (C)] of the channels, from the IN moments:
         # what the processes add up (``running.group_sums``)
+        mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
         pid = tl.program_id(0)
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < C
@@ -171,14 +172,17 @@ if triton is not None:
 
     @triton.jit
     def _forward_kernel(
-        mean_ptr, var_ptr, weight_ptr, bias_ptr, mean_logits_ptr, var_logits_ptr,
-        running_mean_ptr, running_var_ptr, tracked_ptr, pooled_ptr, scale_ptr, shift_ptr, stats_ptr,
+        moments_ptr, weight_ptr, bias_ptr, mean_logits_ptr, var_logits_ptr,
+        running_mean_ptr, running_var_ptr, tracked_ptr, pooled_ptr, affine_ptr,
         N, C, eps, momentum,
         NUM_BRANCHES: tl.constexpr, BN_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
         UPDATE_VAR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
         # BN_SOURCE: BATCH (this batch), RUNNING (the running statistics) or POOLED (the sums of every
-        # process, float64 [count, sum of x (C), sum of x^2 (C)] at pooled_ptr)
+        # process, float64 [count, sum of x (C), sum of x^2 (C)] at pooled_ptr). The blocks (``MapPasses``):
+        # moments (mean, variance), affine (scale, shift, then this kernel's statistics for the backward)
+        mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
+        scale_ptr, shift_ptr, stats_ptr = affine_ptr, affine_ptr + N * C, affine_ptr + 2 * N * C
         pid = tl.program_id(0)
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < C
@@ -287,15 +291,20 @@ if triton is not None:
 
     @triton.jit
     def _backward_kernel(
-        mean_ptr, var_ptr, stats_ptr, dot_ptr, total_ptr, weight_ptr, mean_logits_ptr, var_logits_ptr, pooled_ptr,
-        grad_pooled_ptr, p_ptr, q_ptr, grad_weight_ptr, grad_bias_ptr, grad_mean_logits_ptr, grad_var_logits_ptr,
+        moments_ptr, affine_ptr, sums_ptr, weight_ptr, mean_logits_ptr, var_logits_ptr, pooled_ptr,
+        grad_pooled_ptr, pq_ptr, grad_weight_ptr, grad_bias_ptr, grad_mean_logits_ptr, grad_var_logits_ptr,
         N, C, spatial, eps,
         NUM_BRANCHES: tl.constexpr, BN_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
         # BN_GRAD: how the BN statistics pass their gradient on: not at all (RUNNING), within this batch
         # (BATCH), or through the sums of every process: POOLED_SUMS writes this process's gradient of them
         # (float64, as pooled_ptr) and nothing else; once the processes have added those up, POOLED takes
-        # them from grad_pooled_ptr
+        # them from grad_pooled_ptr. The blocks (``MapPasses``): moments (mean, variance), affine (its
+        # statistics after row 1, as the forward kernel stored them), sums (D, S), pq (p, q)
+        mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
+        stats_ptr = affine_ptr + 2 * N * C
+        dot_ptr, total_ptr = sums_ptr, sums_ptr + N * C
+        p_ptr, q_ptr = pq_ptr, pq_ptr + N * C
         pid = tl.program_id(0)
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < C
@@ -442,45 +451,43 @@ class SwitchableKernels:
         self.backward_constants = dict(BN_GRAD=self.bn_source, **constants)
         self.sums_constants = dict(BLOCK_N=block_n, BLOCK_C=block_c)
 
-    def forward(self, layer, parameters, mean: Tensor, var: Tensor):
+    def forward(self, layer, parameters, moments: Tensor):
         n, c = self.passes.vector_shape
-        scale, shift = torch.empty_like(mean), torch.empty_like(mean)
-        stats = mean.new_empty(self.stats_size)
-        running = layer.running_buffers() if layer.use_bn else (mean,) * 3
-        pooled = self._pooled_sums(mean, var) if self.bn_source == _POOLED else mean  # read only when pooled
-        launch(_forward_kernel, self.grid, mean, var, *parameters, *running, pooled, scale, shift, stats, n, c,
-               layer.eps, layer.momentum, **self.forward_constants)  # fmt: skip
+        affine = self.passes.block(moments, 2, self.stats_size)
+        running = layer.running_buffers() if layer.use_bn else (moments,) * 3
+        pooled = self._pooled_sums(moments) if self.bn_source == _POOLED else moments  # read only when pooled
+        launch(_forward_kernel, self.grid, moments, *parameters, *running, pooled, affine, n, c, layer.eps,
+               layer.momentum, **self.forward_constants)  # fmt: skip
         if self.bn_source != _RUNNING:
             written_in_place(*running)
-        return scale, shift, (scale, stats, pooled)
+        return affine, pooled
 
-    def _pooled_sums(self, mean: Tensor, var: Tensor) -> Tensor:
+    def _pooled_sums(self, moments: Tensor) -> Tensor:
         """Every process's float64 [count, sum of x, sum of x^2] of each channel, added up: the tensor, and
         the collective, of ``SyncSwitchableNorm2d._reduce``, so that a process whose batch is empty (it runs
         the autograd path) takes part in the same all-reduce."""
-        n, c = mean.shape
-        pooled = mean.new_empty(2 * c + 1, dtype=torch.float64)
-        launch(_pooled_sums_kernel, self.grid, mean, var, pooled, n, c, self.spatial, **self.sums_constants)
+        n, c = self.passes.vector_shape
+        pooled = moments.new_empty(2 * c + 1, dtype=torch.float64)
+        launch(_pooled_sums_kernel, self.grid, moments, pooled, n, c, self.spatial, **self.sums_constants)
         dist.all_reduce(pooled)
         return pooled
 
-    def backward(self, layer, parameters, mean: Tensor, var: Tensor, saved, dot: Tensor, total: Tensor):
-        scale, stats, pooled = saved
+    def backward(self, layer, parameters, moments: Tensor, affine: Tensor, pooled: Tensor, sums: Tensor):
         weight, _, mean_weight, var_weight = parameters
         n, c = self.passes.vector_shape
-        p, q = torch.empty_like(mean), torch.empty_like(mean)
+        pq = self.passes.block(moments, 2)
         grads = [torch.empty_like(t) for t in parameters]
-        arguments = [mean, var, stats, dot, total, weight, mean_weight, var_weight, pooled]
-        grad_pooled = mean  # read only when pooled
+        arguments = [moments, affine, sums, weight, mean_weight, var_weight, pooled]
+        grad_pooled = moments  # read only when pooled
         if self.bn_source == _POOLED:  # this process's gradient of the pooled sums, added up as the autograd path does
             grad_pooled = torch.empty_like(pooled)
             constants = dict(self.backward_constants, BN_GRAD=_POOLED_SUMS)
-            launch(_backward_kernel, self.grid, *arguments, grad_pooled, p, q, *grads, n, c, float(self.spatial),
+            launch(_backward_kernel, self.grid, *arguments, grad_pooled, pq, *grads, n, c, float(self.spatial),
                    layer.eps, **constants)  # fmt: skip
             dist.all_reduce(grad_pooled)
-        launch(_backward_kernel, self.grid, *arguments, grad_pooled, p, q, *grads, n, c, float(self.spatial),
+        launch(_backward_kernel, self.grid, *arguments, grad_pooled, pq, *grads, n, c, float(self.spatial),
                layer.eps, **self.backward_constants)  # fmt: skip
-        return scale, p, q, grads
+        return pq, grads
 
 
 class SwitchableClosedForms:
@@ -495,7 +502,8 @@ class SwitchableClosedForms:
         self.batch_stats = layer.training and layer.use_bn
         self.update_var = n * h * w > 1
 
-    def forward(self, layer, parameters, mean: Tensor, var: Tensor):
+    def forward(self, layer, parameters, moments):
+        mean, var = moments[0], moments[1]
         weight, bias, mean_weight, var_weight = parameters
         a, b = torch.softmax(torch.stack([mean_weight, var_weight]).to(mean.dtype), 1)
         mu_ln = mean.mean(1, keepdim=True)
@@ -517,7 +525,7 @@ class SwitchableClosedForms:
         r = torch.rsqrt(mixed + layer.eps)
         scale = weight.to(mean.dtype) * r
         shift = bias.to(mean.dtype) - offset * scale
-        return scale, shift, (scale, r, offset, to_ln, var_ln, to_bn, var_bn, a, b)
+        return (scale, shift), (r, offset, to_ln, var_ln, to_bn, var_bn, a, b)
 
     def _track(self, layer, running, mean: Tensor, var: Tensor) -> None:
         running_mean, running_var, tracked = running
@@ -526,8 +534,11 @@ class SwitchableClosedForms:
             running_var.lerp_(var.to(running_var.dtype), layer.momentum)
         tracked.add_(1)
 
-    def backward(self, layer, parameters, mean: Tensor, var: Tensor, saved, dot: Tensor, total: Tensor):
-        scale, r, offset, to_ln, var_ln, to_bn, var_bn, a, b = saved
+    def backward(self, layer, parameters, moments, affine, saved, sums):
+        mean, var = moments[0], moments[1]
+        scale = affine[0]
+        dot, total = sums
+        r, offset, to_ln, var_ln, to_bn, var_bn, a, b = saved
         n, c = mean.shape
         e = dot - total * offset
         g = -0.5 * e * scale * r.square()
@@ -549,7 +560,7 @@ class SwitchableClosedForms:
             (e * r).sum(0), total.sum(0), _softmax_backward(a, torch.stack(grad_a)), _softmax_backward(b, torch.stack(grad_b))
         ]
         grads = [grad.to(parameter.dtype) for grad, parameter in zip(grads, parameters)]
-        return scale, 2 * grad_v / self.spatial, grad_m / self.spatial, grads
+        return (2 * grad_v / self.spatial, grad_m / self.spatial), grads
 
 
 def _softmax_backward(weights: Tensor, grad_weights: Tensor) -> Tensor:

@@ -122,10 +122,11 @@ if triton is not None:
 
     @triton.jit
     def _moments_kernel(
-        x_ptr, mean_ptr, var_ptr, residual_ptr, C, HW, c_blocks,
+        x_ptr, moments_ptr, N, C, HW, c_blocks,
         HAS_RESIDUAL: tl.constexpr, CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
     ):
-        # One program: the maps of one sample n and BLOCK_C channels, looping over H*W.
+        # One program: the maps of one sample n and BLOCK_C channels, looping over H*W. The moments block's
+        # rows: mean, variance, residual (``MapPasses``).
         pid = tl.program_id(0)
         n = pid // c_blocks
         c = (pid % c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -154,19 +155,20 @@ if triton is not None:
 
         mean_d = tl.sum(sum_d, axis=1) / HW
         var = tl.maximum(tl.sum(sum_d2, axis=1) / HW - mean_d * mean_d, 0.0)
-        out = n * C + c  # (N, C) outputs are contiguous and small: int32 suffices (N*C < 2**31)
+        out = n * C + c  # (N, C) blocks are contiguous and small: int32 suffices (MapPasses)
         mean = shift + mean_d
-        tl.store(mean_ptr + out, mean, mask=c_mask)
-        tl.store(var_ptr + out, var, mask=c_mask)
+        tl.store(moments_ptr + out, mean, mask=c_mask)
+        tl.store(moments_ptr + N * C + out, var, mask=c_mask)
         if HAS_RESIDUAL:  # what rounding took off the mean: shift - mean is exact (Sterbenz)
-            tl.store(residual_ptr + out, (shift - mean) + mean_d, mask=c_mask)
+            tl.store(moments_ptr + 2 * N * C + out, (shift - mean) + mean_d, mask=c_mask)
 
     @triton.jit
     def _centered_dot_and_sum_kernel(
-        gy_ptr, x_ptr, center_ptr, dot_ptr, total_ptr, C, HW, c_blocks,
+        gy_ptr, x_ptr, center_ptr, sums_ptr, N, C, HW, c_blocks,
         CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
     ):
-        # Same program layout as _moments_kernel; grad_y and x share their layout, hence their offsets.
+        # Same program layout as _moments_kernel; grad_y and x share their layout, hence their offsets. The
+        # sums block's rows: dot, total.
         pid = tl.program_id(0)
         n = pid // c_blocks
         c = (pid % c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -189,8 +191,8 @@ if triton is not None:
             total += gy
 
         out = n * C + c
-        tl.store(dot_ptr + out, tl.sum(dot, axis=1), mask=c_mask)
-        tl.store(total_ptr + out, tl.sum(total, axis=1), mask=c_mask)
+        tl.store(sums_ptr + out, tl.sum(dot, axis=1), mask=c_mask)
+        tl.store(sums_ptr + N * C + out, tl.sum(total, axis=1), mask=c_mask)
 
     @triton.jit
     def _tile_of_program(c_blocks, hw_blocks, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr):
@@ -206,17 +208,18 @@ if triton is not None:
 
     @triton.jit
     def _scale_shift_kernel(
-        x_ptr, y_ptr, scale_ptr, shift_ptr, center_ptr, C, HW, c_blocks, hw_blocks,
+        x_ptr, y_ptr, affine_ptr, center_ptr, N, C, HW, c_blocks, hw_blocks,
         HAS_CENTER: tl.constexpr, CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
     ):
+        # the affine block's rows: scale, shift
         n, c, hw = _tile_of_program(c_blocks, hw_blocks, BLOCK_C, BLOCK_HW)
         c_mask = c < C
         mask = c_mask[:, None] & (hw < HW)[None, :]
         base = n.to(tl.int64) * C * HW
         offsets = _tile_offsets(c, hw, C, HW, CHANNELS_LAST)  # y has x's layout: the same offsets
 
-        scale = tl.load(scale_ptr + n * C + c, mask=c_mask, other=0.0)
-        shift = tl.load(shift_ptr + n * C + c, mask=c_mask, other=0.0)
+        scale = tl.load(affine_ptr + n * C + c, mask=c_mask, other=0.0)
+        shift = tl.load(affine_ptr + N * C + n * C + c, mask=c_mask, other=0.0)
         x = tl.load(x_ptr + base + offsets, mask=mask, other=0.0).to(tl.float32)
         if HAS_CENTER:
             # centring first keeps the digits x * scale would round away when |mean| >> spread
@@ -226,9 +229,10 @@ if triton is not None:
 
     @triton.jit
     def _grad_input_kernel(
-        gy_ptr, x_ptr, gx_ptr, scale_ptr, p_ptr, q_ptr, center_ptr, residual_ptr, C, HW, c_blocks, hw_blocks,
+        gy_ptr, x_ptr, gx_ptr, scale_ptr, pq_ptr, moments_ptr, N, C, HW, c_blocks, hw_blocks,
         HAS_RESIDUAL: tl.constexpr, CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
     ):
+        # the pq block's rows: p, q; the moments block's: the center (the mean), _, its residual
         n, c, hw = _tile_of_program(c_blocks, hw_blocks, BLOCK_C, BLOCK_HW)
         c_mask = c < C
         mask = c_mask[:, None] & (hw < HW)[None, :]
@@ -236,14 +240,14 @@ if triton is not None:
         offsets = base + _tile_offsets(c, hw, C, HW, CHANNELS_LAST)  # grad_y, x and grad_x share them
 
         scale = tl.load(scale_ptr + n * C + c, mask=c_mask, other=0.0)[:, None]
-        p = tl.load(p_ptr + n * C + c, mask=c_mask, other=0.0)[:, None]
-        q = tl.load(q_ptr + n * C + c, mask=c_mask, other=0.0)[:, None]
-        center = tl.load(center_ptr + n * C + c, mask=c_mask, other=0.0)[:, None]
+        p = tl.load(pq_ptr + n * C + c, mask=c_mask, other=0.0)[:, None]
+        q = tl.load(pq_ptr + N * C + n * C + c, mask=c_mask, other=0.0)[:, None]
+        center = tl.load(moments_ptr + n * C + c, mask=c_mask, other=0.0)[:, None]
         gy = tl.load(gy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         centered = x - center
         if HAS_RESIDUAL:
-            centered -= tl.load(residual_ptr + n * C + c, mask=c_mask, other=0.0)[:, None]
+            centered -= tl.load(moments_ptr + 2 * N * C + n * C + c, mask=c_mask, other=0.0)[:, None]
         gx = gy * scale + centered * p + q
         tl.store(gx_ptr + offsets, gx.to(gx_ptr.dtype.element_ty), mask=mask)
 
@@ -362,9 +366,22 @@ def checked_vectors(*vectors: Tensor) -> list[Tensor]:
 class MapPasses:
     """The four passes over inputs of x's shape and layout, x checked once (``_layout``) and the tiles,
     grids and constants worked out once: a layer's plan keeps one for all its calls with such inputs
-    (``fused``). Its (N, C) vectors are float32 and contiguous, as the layer's kernels make them (the
-    module's functions and ``passes``' check outside vectors first: ``checked_vectors``); grad_y is taken
-    in x's layout (made so if needed: autograd may hand over another). It holds no tensor."""
+    (``fused``). It holds no tensor.
+
+    Per-map statistics travel in blocks: one contiguous float32 tensor whose rows of N * C values (n-major)
+    are (N, C) vectors, which the kernels address at row * N * C: one allocation and one kernel argument
+    where separate tensors would cost one of each per vector, which is host time on a GPU. The blocks
+    (rows in order; a layer's kernels may append statistics of their own after them):
+
+    - moments: the mean, the variance and, from ``moments_and_residual``, each mean's residual;
+    - affine: the output's scale and shift, y = (x - center) * scale + shift;
+    - sums: the backward's dot = sum grad_y (x - center) and total = sum grad_y;
+    - pq: the backward's p and q, grad_x = grad_y * scale + (x - center - residual) * p + q.
+
+    A center or a scale is read from row 0 of whatever tensor is given (a block, or an (N, C) vector).
+    The blocks are the layer's own float32 ones (the module's functions and ``passes`` make blocks of
+    outside vectors, checked: ``checked_vectors``); grad_y is taken in x's layout (made so if needed: autograd
+    may hand over another)."""
 
     def __init__(self, x: Tensor):
         _require_triton()
@@ -381,67 +398,68 @@ class MapPasses:
         self.meta = dict(CHANNELS_LAST=self.channels_last, BLOCK_C=self.block_c, BLOCK_HW=self.block_hw,
                          num_warps=_NUM_WARPS)  # fmt: skip
 
-    def _map_vectors(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Three float32 (N, C) tensors for a reduction's results: to be written in full, or zeros where the
-        maps are empty (their sums, and so their mean and variance, are 0, like passes.torch_moments')."""
-        first = x.new_empty(self.vector_shape, dtype=torch.float32)
-        if self.empty:
-            return first.zero_(), torch.zeros_like(first), torch.zeros_like(first)
-        return first, torch.empty_like(first), torch.empty_like(first)
+    def block(self, x: Tensor, rows: int, extra: int = 0) -> Tensor:
+        """A float32 block of ``rows`` (N, C) rows on x's device, plus ``extra`` values after them, to be
+        written in full."""
+        if not extra:
+            return x.new_empty((rows, *self.vector_shape), dtype=torch.float32)
+        return x.new_empty(rows * self.n * self.c + extra, dtype=torch.float32)
 
-    def _map_vector_pair(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        first = x.new_empty(self.vector_shape, dtype=torch.float32)
-        if self.empty:
-            return first.zero_(), torch.zeros_like(first)
-        return first, torch.empty_like(first)
+    def _reduced(self, x: Tensor, rows: int) -> Tensor:
+        """A reduction's block: to be written in full, or zeros where the maps are empty (their sums, and so
+        their mean and variance, are 0, like passes.torch_moments')."""
+        block = self.block(x, rows)
+        return block.zero_() if self.empty else block
 
-    def moments(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        mean, var = self._map_vector_pair(x)
+    def moments(self, x: Tensor) -> Tensor:
+        """The moments block (2, N, C): mean, variance."""
+        moments = self._reduced(x, 2)
         if not self.empty:
-            launch(_moments_kernel, self.reduce_grid, x, mean, var, mean, self.c, self.hw, self.c_blocks,
+            launch(_moments_kernel, self.reduce_grid, x, moments, self.n, self.c, self.hw, self.c_blocks,
                    HAS_RESIDUAL=False, **self.meta)  # fmt: skip
-        return mean, var
+        return moments
 
-    def moments_and_residual(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        mean, var, residual = self._map_vectors(x)
+    def moments_and_residual(self, x: Tensor) -> Tensor:
+        """The moments block (3, N, C): mean, variance, residual."""
+        moments = self._reduced(x, 3)
         if not self.empty:
-            launch(_moments_kernel, self.reduce_grid, x, mean, var, residual, self.c, self.hw, self.c_blocks,
+            launch(_moments_kernel, self.reduce_grid, x, moments, self.n, self.c, self.hw, self.c_blocks,
                    HAS_RESIDUAL=True, **self.meta)  # fmt: skip
-        return mean, var, residual
+        return moments
 
-    def scale_shift(self, x: Tensor, scale: Tensor, shift: Tensor, center: Tensor | None = None) -> Tensor:
+    def scale_shift(self, x: Tensor, affine: Tensor, center: Tensor | None = None) -> Tensor:
+        """(x - center) * scale + shift (x * scale + shift without a center), in x's dtype and layout."""
         y = _output_like(x)
         if self.empty:
             return y
         has_center = center is not None
         launch(_scale_shift_kernel, self.map_grid,
-            x, y, scale, shift, center if has_center else scale, self.c, self.hw, self.c_blocks, self.hw_blocks,
+            x, y, affine, center if has_center else affine, self.n, self.c, self.hw, self.c_blocks, self.hw_blocks,
             HAS_CENTER=has_center, **self.meta,
         )  # fmt: skip
         return y
 
-    def centered_dot_and_sum(self, grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Tensor, Tensor]:
-        dot, total = self._map_vector_pair(x)
+    def centered_dot_and_sum(self, grad_y: Tensor, x: Tensor, center: Tensor) -> Tensor:
+        """The sums block (2, N, C): dot, total."""
+        sums = self._reduced(x, 2)
         if self.empty:
-            return dot, total
+            return sums
         grad_y = grad_y.contiguous(memory_format=self.memory_format)
         launch(_centered_dot_and_sum_kernel, self.reduce_grid,
-            grad_y, x, center, dot, total, self.c, self.hw, self.c_blocks, **self.meta,
+            grad_y, x, center, sums, self.n, self.c, self.hw, self.c_blocks, **self.meta,
         )  # fmt: skip
-        return dot, total
+        return sums
 
-    def grad_input(
-        self, grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor,
-        residual: Tensor | None = None,
-    ) -> Tensor:  # fmt: skip
+    def grad_input(self, grad_y: Tensor, x: Tensor, scale: Tensor, pq: Tensor, moments: Tensor, residual: bool) -> Tensor:
+        """grad_y * scale + (x - mean - residual) * p + q, with the mean (and with ``residual``, its residual)
+        from the moments block, in x's dtype and layout."""
         grad_x = _output_like(x)
         if self.empty:
             return grad_x
         grad_y = grad_y.contiguous(memory_format=self.memory_format)
-        has_residual = residual is not None
         launch(_grad_input_kernel, self.map_grid,
-            grad_y, x, grad_x, scale, p, q, center, residual if has_residual else center, self.c, self.hw,
-            self.c_blocks, self.hw_blocks, HAS_RESIDUAL=has_residual, **self.meta,
+            grad_y, x, grad_x, scale, pq, moments, self.n, self.c, self.hw, self.c_blocks, self.hw_blocks,
+            HAS_RESIDUAL=residual, **self.meta,
         )  # fmt: skip
         return grad_x
 
@@ -449,16 +467,17 @@ class MapPasses:
 def moments(x: Tensor) -> tuple[Tensor, Tensor]:
     """IN mean and biased variance over H*W of each (n, c) map of x: two float32 (N, C) tensors, in one
     read of x, by shifted sums (accurate whatever the mean-to-spread ratio: module docstring)."""
-    return MapPasses(x).moments(x)
+    mean, var = MapPasses(x).moments(x).unbind(0)
+    return mean, var
 
 
 def scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor | None = None) -> Tensor:
     """y = x * scale + shift, or (x - center) * scale + shift when ``center`` is given, with float32 (N, C)
     per-map vectors; computed in float32, returned in x's dtype and memory layout."""
     over = MapPasses(x)
-    scale, shift = _map_vector(scale, x, "scale"), _map_vector(shift, x, "shift")
+    affine = torch.stack([_map_vector(scale, x, "scale"), _map_vector(shift, x, "shift")])
     center = _map_vector(center, x, "center") if center is not None else None
-    return over.scale_shift(x, scale, shift, center)
+    return over.scale_shift(x, affine, center)
 
 
 def centered_dot_and_sum(grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Tensor, Tensor]:
@@ -466,7 +485,8 @@ def centered_dot_and_sum(grad_y: Tensor, x: Tensor, center: Tensor) -> tuple[Ten
     in one read of (grad_y, x)."""
     _require_triton()
     _check_same_layout(grad_y, x)
-    return MapPasses(x).centered_dot_and_sum(grad_y, x, _map_vector(center, x, "center"))
+    dot, total = MapPasses(x).centered_dot_and_sum(grad_y, x, _map_vector(center, x, "center")).unbind(0)
+    return dot, total
 
 
 def grad_input(grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, center: Tensor) -> Tensor:
@@ -474,5 +494,6 @@ def grad_input(grad_y: Tensor, x: Tensor, scale: Tensor, p: Tensor, q: Tensor, c
     float32, returned in x's dtype and memory layout; one read of (grad_y, x), one write."""
     _require_triton()
     _check_same_layout(grad_y, x)
-    scale, p, q = _map_vector(scale, x, "scale"), _map_vector(p, x, "p"), _map_vector(q, x, "q")
-    return MapPasses(x).grad_input(grad_y, x, scale, p, q, _map_vector(center, x, "center"))
+    scale, center = _map_vector(scale, x, "scale"), _map_vector(center, x, "center")
+    pq = torch.stack([_map_vector(p, x, "p"), _map_vector(q, x, "q")])
+    return MapPasses(x).grad_input(grad_y, x, scale, pq, center, residual=False)

@@ -34,7 +34,7 @@ def features(layout=torch.contiguous_format, n=2):
 
 # allocations per training step: each is a call into the allocator, host time on a GPU (the (N, C) vectors,
 # the parameters' gradients, the output and grad_x)
-ALLOCATIONS = {"SN": 16, "SyncSN": 16, "MGN": 16, "MN": 16, "DN": 18, "BNSR": 10, "PONO": 6}
+ALLOCATIONS = {"SN": 10, "SyncSN": 10, "MGN": 10, "MN": 10, "DN": 10, "BNSR": 9, "PONO": 6}
 
 
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
