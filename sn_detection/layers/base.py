@@ -218,10 +218,13 @@ class NormBase(nn.Module):
         (``tools/count_launches.py --host-time``)."""
         if not self._modules:
             return tuple(p for p in self._parameters.values() if p is not None)
-        modules = [module for module in self._modules.values() if module is not None]
-        if any(module._modules for module in modules):
-            return tuple(self.parameters())
-        return tuple(p for module in (self, *modules) for p in module._parameters.values() if p is not None)
+        parameters = list(self._parameters.values())
+        for module in self._modules.values():
+            if module is not None:
+                if module._modules:
+                    return tuple(self.parameters())
+                parameters += module._parameters.values()
+        return tuple(p for p in parameters if p is not None)
 
     def freeze(self) -> nn.Module:
         """Fix the parameters, and so the running statistics, for good (see the module docstring)."""

@@ -38,5 +38,8 @@ class GroupNorm2d(NormBase, nn.GroupNorm):
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.num_channels)
         dtype = stat_dtype(x)  # parameters too: a model converted with .half() keeps fp16 ones
-        y = F.group_norm(x.to(dtype), self.num_groups, self.weight.to(dtype), self.bias.to(dtype), self.eps)
+        weight, bias = self.weight, self.bias
+        if x.dtype == weight.dtype == bias.dtype == dtype:  # nothing to cast (no call: host time on a GPU)
+            return F.group_norm(x, self.num_groups, weight, bias, self.eps)
+        y = F.group_norm(x.to(dtype), self.num_groups, weight.to(dtype), bias.to(dtype), self.eps)
         return y.to(x.dtype)
