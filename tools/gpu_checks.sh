@@ -1,26 +1,38 @@
 #!/usr/bin/env bash
 # What a CUDA GPU adds to `make test` and to the CPU benchmarks, in one command:
 #
-#   tests     the Triton kernels compiled and run on the GPU against float64 references, the layers
-#             through them, the fused path, host synchronisations and CUDA-graph capture (tests/kernels),
-#             and the mixed-precision tests that need CUDA;
+#   tests     the Triton kernels compiled and run on the GPU against float64 references, the layers through
+#             them, the direct launch of the compiled kernels against Triton's JIT, host synchronisations and
+#             CUDA-graph capture (tests/kernels); pretraining's graphed step against eager training
+#             (PRETRAIN.CUDA_GRAPH) and the graphed backbone against the eager one; the mixed-precision tests
+#             that need CUDA;
 #   counts    every layer's kernel launches and syncs per training step, with the profiler's kernel count
-#             beside them, and the host's work of the step with its Triton launches skipped
-#             (counts.json; tools/count_launches.py --host-time);
-#   norms     every layer's forward + backward, fp32 and under AMP, with a profile of one step of each
-#             (norms.json, norms_amp.json; tools/benchmark_norms.py);
-#   train     a Mask R-CNN R50-FPN training step and inference at 2 images of 800 px per GPU, the SN paper's
-#             detection setting, on images of the embedded detection set, generated on first use
-#             (train.json; tools/benchmark_train.py);
-#   pretrain  a ResNet-50 pretraining step at 224 px, 32 images per GPU (256 over 8), fp32 and with AMP, and
-#             the hours per ImageNet epoch at that speed (pretrain_fp32.json, pretrain_amp.json;
-#             tools/benchmark_pretrain.py).
+#             beside them, the host's work of a training step and an evaluation forward with the Triton
+#             launches skipped (counts.json; tools/count_launches.py --host-time), and each layer's step with
+#             Triton's ordinary launch path and the direct launch, side by side (launch.json;
+#             tools/benchmark_launch.py);
+#   norms     SN's, DN's and MGN's forward + backward at the four detection shapes beside torch's GroupNorm,
+#             fp32 with a profile of one step of each, and under AMP (norms.json, norms_amp.json;
+#             tools/benchmark_norms.py);
+#   train     a Mask R-CNN R50-FPN training step and inference at 2 images of 800 px, the SN paper's setting,
+#             GN, SN, DN and MGN everywhere (train.json); and at 2 images of 1024 x 1024, the large-scale-jitter
+#             recipe with AMP, GN and SN with the backbone and FPN replayed as CUDA graphs and GN without
+#             (train_lsj.json; tools/benchmark_train.py --graphed-backbone); on the embedded detection set;
+#   pretrain  a ResNet-50 pretraining step at 224 px, 32 images per GPU (256 over 8), BN and SN, eager and
+#             captured in a CUDA graph (NORM+graph), fp32, and the hours per ImageNet epoch at that speed
+#             (pretrain.json; tools/benchmark_pretrain.py --cuda-graph).
 #
 #     tools/gpu_checks.sh OUTDIR [STEP...]     # default: every step; PYTHON=... picks the interpreter
 #
-# Needs torch with CUDA, Triton 3 or newer, detectron2 and pytest (pytest-xdist is used where installed).
-# Every step runs, with a time limit, whatever the previous ones gave; the log is OUTDIR/gpu_checks.log,
-# and the exit status is that of the first step that failed.
+# Sized for a session's 15 minutes of device time: two calls, `tests` (about 4 minutes, Triton's
+# compilations included) and then `counts norms train pretrain` (about 6), each step within its time limit
+# below. Every step runs whatever the previous ones gave; the log is OUTDIR/gpu_checks.log, and the exit
+# status is that of the first step that failed.
+#
+# Needs torch with CUDA, Triton 3 or newer, detectron2, pytest and pytest-xdist. On a machine without
+# detectron2 and without a registry, carry what tools/gpu_carry.sh assembles here, in .gpu/, and run
+#
+#     export PYTHONPATH=$PWD/.gpu/site:$PWD SN_DETECTION_DATA=$PWD/.gpu/data; tools/gpu_checks.sh OUTDIR STEP...
 set -uo pipefail
 
 out=${1:?usage: tools/gpu_checks.sh OUTDIR [tests|counts|norms|train|pretrain ...]}
@@ -54,30 +66,38 @@ if ! "$py" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$log"
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$log"
+(cd "$repo" && git log -1 --format='commit %h %cd' --date=iso 2>/dev/null) | tee -a "$log"
 workers=$("$py" -c "import xdist, os; print(min(16, os.cpu_count()))" 2>/dev/null)
+# the detection settings run on the embedded detection set (generated on first use, or carried)
+detection=(DATASETS.TRAIN '("sn_shapes_train",)' SOLVER.IMS_PER_BATCH 2 INPUT.MASK_FORMAT bitmask)
+lsj=(dataloader.train.dataset.names=sn_shapes_train dataloader.train.total_batch_size=2
+     dataloader.train.mapper.instance_mask_format=bitmask)
 
 if wanted tests; then
-  step kernels 240 "$py" -m pytest -q ${workers:+-n $workers} tests/kernels
-  step "cuda tests" 120 "$py" -m pytest -q ${workers:+-n $workers} -k cuda tests/d2/test_mixed_precision.py tests/d2/test_trainers.py
+  step "cuda tests" 240 "$py" -m pytest -q ${workers:+-n $workers --dist loadfile} tests/kernels \
+    tests/d2/test_graphed_backbone.py tests/pretraining/test_graph_sgd.py tests/pretraining/test_graphed_pretraining_cuda.py
+  step "cuda amp" 90 "$py" -m pytest -q ${workers:+-n $workers} -k cuda tests/d2/test_mixed_precision.py \
+    tests/d2/test_trainers.py
 fi
 if wanted counts; then
-  step counts 120 "$py" tools/count_launches.py --device cuda --host-time --json "$out/counts.json"
+  step counts 90 "$py" tools/count_launches.py --device cuda --host-time --rounds 10 --json "$out/counts.json"
+  step "direct launch" 60 "$py" tools/benchmark_launch.py --rounds 10 --json "$out/launch.json"
 fi
 if wanted norms; then
-  step norms 150 "$py" tools/benchmark_norms.py --device cuda --repeats 20 --profile --json "$out/norms.json"
-  step "norms amp" 150 "$py" tools/benchmark_norms.py --device cuda --amp --repeats 20 --json "$out/norms_amp.json"
+  step norms 90 "$py" tools/benchmark_norms.py --device cuda --norms SN,DN,MGN --repeats 10 --profile \
+    --json "$out/norms.json"
+  step "norms amp" 60 "$py" tools/benchmark_norms.py --device cuda --norms SN,DN,MGN --amp --repeats 10 \
+    --json "$out/norms_amp.json"
 fi
 if wanted train; then
-  step train 300 "$py" tools/benchmark_train.py --config-file configs/mask_rcnn_gn_2x.yaml --norms GN,SN,DN,MGN,FrozenBN \
-    --rounds 8 --json "$out/train.json" MODEL.DEVICE cuda DATASETS.TRAIN '("sn_shapes_train",)' SOLVER.IMS_PER_BATCH 2 \
-    INPUT.MASK_FORMAT bitmask
+  step train 150 "$py" tools/benchmark_train.py --config-file configs/mask_rcnn_gn_2x.yaml --norms GN,SN,DN,MGN \
+    --rounds 6 --json "$out/train.json" MODEL.DEVICE cuda "${detection[@]}"
+  step "train lsj" 150 "$py" tools/benchmark_train.py --config-file configs/lazy/mask_rcnn_sn_lsj_100ep.py \
+    --norms GN,SN --graphed-backbone --rounds 6 --json "$out/train_lsj.json" train.device=cuda "${lsj[@]}"
 fi
 if wanted pretrain; then
-  for precision in fp32 amp; do
-    amp=$([ $precision = amp ] && echo True || echo False)
-    step "pretrain $precision" 120 "$py" tools/benchmark_pretrain.py --norms BN,GN,SN,DN,MGN --devices 8 --rounds 10 \
-      --json "$out/pretrain_$precision.json" MODEL.DEVICE cuda PRETRAIN.AMP $amp
-  done
+  step pretrain 90 "$py" tools/benchmark_pretrain.py --norms BN,SN --devices 8 --rounds 6 --cuda-graph \
+    --json "$out/pretrain.json" MODEL.DEVICE cuda
 fi
 
 echo "gpu_checks: exit $status (log: $log)"

@@ -2,8 +2,8 @@
 
 Not a test: a measurement to run by hand, on CPU and, when available, CUDA:
 
-    python tools/benchmark_norms.py [--shapes small] [--repeats 5] [--threads N] [--device cuda] [--amp] [--json results.json]
-                                    [--baseline REF]
+    python tools/benchmark_norms.py [--shapes small] [--norms SN,DN] [--repeats 5] [--threads N] [--device cuda] [--amp]
+                                    [--json results.json] [--baseline REF]
 
 Shapes are those of detection: two FPN levels at batch 2 (2, 256, 200, 336) and (2, 256, 100, 168), the
 RoI box head (512, 256, 14, 14) and a stem-sized map (2, 64, 400, 672). Each layer runs in training mode in
@@ -83,13 +83,14 @@ class MultiOpSwitchableNorm(nn.Module):
         return (normalized * self.weight + self.bias).view(n, c, h, w)
 
 
-def candidates(num_channels, baseline=None):
-    """(label, layer) pairs: torch's references and the multi-op SN first, then every registered norm, each
-    followed by its twin of the ``baseline`` commit when one is given (``baseline.baseline_layers``)."""
+def candidates(num_channels, baseline=None, norms=NORM_NAMES):
+    """(label, layer) pairs: torch's references and the multi-op SN first, then each of ``norms`` (names of
+    ``build_norm``), each followed by its twin of the ``baseline`` commit when one is given
+    (``baseline.baseline_layers``)."""
     yield REFERENCE, nn.GroupNorm(32, num_channels)
     yield "torch BN", nn.BatchNorm2d(num_channels)
     yield MULTI_OP, MultiOpSwitchableNorm(num_channels)
-    for name in NORM_NAMES:
+    for name in norms:
         layer = build_norm(name, num_channels)
         yield name, layer
         if baseline is not None and name != "GN":  # GN is torch's group norm in both
@@ -129,11 +130,11 @@ def peak_cuda_bytes(layer, x, grad_y):
     return torch.cuda.max_memory_allocated(x.device) - before
 
 
-def measure(device, shape, repeats, dtype=torch.float32, baseline=None):
+def measure(device, shape, repeats, dtype=torch.float32, baseline=None, norms=NORM_NAMES):
     generator = torch.Generator(device).manual_seed(0)
     x = torch.randn(shape, device=device, generator=generator).to(dtype).requires_grad_()
     grad_y = torch.randn(shape, device=device, generator=generator).to(dtype)
-    layers = {label: layer.to(device).train() for label, layer in candidates(shape[1], baseline)}
+    layers = {label: layer.to(device).train() for label, layer in candidates(shape[1], baseline, norms)}
     rounds = range(repeats + WARMUP_ROUNDS)
     times = interleaved_seconds(layers, rounds, lambda layer, _: device_seconds(lambda: step(layer, x, grad_y), device))
     vs_gn, vs_multi_op = ratio_to(times, REFERENCE), ratio_to(times, MULTI_OP)
@@ -155,14 +156,14 @@ def measure(device, shape, repeats, dtype=torch.float32, baseline=None):
     return rows
 
 
-def print_profile(device, shape, dtype, baseline=None):
+def print_profile(device, shape, dtype, baseline=None, norms=NORM_NAMES):
     """Per layer, one forward + backward under torch's profiler: the wall time, the kernels' count and GPU time,
     and the kernels that took most of it."""
     from torch.profiler import ProfilerActivity, profile
 
     x = torch.randn(shape, device=device).to(dtype).requires_grad_()
     grad_y = torch.randn(shape, device=device).to(dtype)
-    for label, layer in candidates(shape[1], baseline):
+    for label, layer in candidates(shape[1], baseline, norms):
         layer = layer.to(device).train()
         for _ in range(3):
             step(layer, x, grad_y)
@@ -199,6 +200,8 @@ def print_table(rows):
 def main(argv: Optional[Sequence[str]] = None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="full")
+    parser.add_argument("--norms", default=",".join(NORM_NAMES), help="comma-separated names of build_norm to time "
+                        f"beside torch's references (default: all, {','.join(NORM_NAMES)})")  # fmt: skip
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed forward + backward passes")
     parser.add_argument("--threads", type=positive_int, help="CPU threads (default: PyTorch's choice)")
     parser.add_argument(
@@ -211,6 +214,10 @@ def main(argv: Optional[Sequence[str]] = None):
     parser.add_argument("--baseline", metavar="REF", help="also time each learned norm as commit REF of this "
                         "checkout has it, side by side (rows 'NAME @COMMIT')")  # fmt: skip
     args = parser.parse_args(argv)
+    norms = [name for name in args.norms.split(",") if name]
+    unknown = [name for name in norms if name not in NORM_NAMES]
+    if unknown or not norms:
+        parser.error(f"--norms: unknown {unknown or 'empty list'}; choose from {', '.join(NORM_NAMES)}")
     try:
         baseline = baseline_layers(args.baseline) if args.baseline else None
     except ValueError as error:
@@ -231,12 +238,12 @@ def main(argv: Optional[Sequence[str]] = None):
     rows = []
     for device in devices:
         for shape in SHAPES[args.shapes]:
-            shape_rows = measure(device, shape, args.repeats, dtype, baseline)
+            shape_rows = measure(device, shape, args.repeats, dtype, baseline, norms)
             rows += shape_rows
             print_table(shape_rows)
             print()
             if args.profile and device.type == "cuda":
-                print_profile(device, shape, dtype, baseline)
+                print_profile(device, shape, dtype, baseline, norms)
                 print()
     if args.json:
         with open(args.json, "w") as f:
