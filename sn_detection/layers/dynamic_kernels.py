@@ -437,8 +437,8 @@ class DynamicKernels:
         affine = self.passes.block(moments, 2, self.state_size)
         gates = channel_gates if self.num_levels else batch_gate  # never read when there are none
         running = layer.running_buffers()
-        launch(_forward_kernel, self.sample_grid, moments, weight, bias, gates, batch_gate, *running, affine, n, c,
-               layer.eps, layer.momentum, **self.forward_constants)  # fmt: skip
+        launch(_forward_kernel, self.sample_grid, (moments, weight, bias, gates, batch_gate, *running, affine, n, c,
+               layer.eps, layer.momentum), self.forward_constants)  # fmt: skip
         if self.training:
             written_in_place(*running)
         return affine, None
@@ -451,10 +451,10 @@ class DynamicKernels:
         pq = self.passes.block(moments, 2, self.backward_size)
         gates = channel_gates if levels else batch_gate  # never read when there are none
         grad_gates = grads[2] if levels else grads[3]  # never written when there are none
-        launch(_levels_backward_kernel, self.sample_grid, sums, affine, gates, pq, n, c, layer.eps,
-               **self.levels_constants)  # fmt: skip
-        launch(_batch_backward_kernel, self.channel_grid, sums, affine, batch_gate, pq, grads[0], grads[1], grad_gates,
-               grads[3], n, c, self.spatial, layer.eps, **self.batch_constants)  # fmt: skip
+        launch(_levels_backward_kernel, self.sample_grid, (sums, affine, gates, pq, n, c, layer.eps),
+               self.levels_constants)  # fmt: skip
+        launch(_batch_backward_kernel, self.channel_grid, (sums, affine, batch_gate, pq, grads[0], grads[1], grad_gates,
+               grads[3], n, c, self.spatial, layer.eps), self.batch_constants)  # fmt: skip
         if not levels:  # no channel gate (C = 1): nothing uses the empty parameter, as autograd sees it
             grads[2] = None
         return pq, grads

@@ -601,6 +601,7 @@ class ModeKernels:
         self.constants = dict(
             BATCH_STATS=self.batch_stats, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_C=block_c, num_warps=_NUM_WARPS
         )
+        self.forward_constants = dict(self.constants, UPDATE_RUNNING=self.batch_stats)
 
     @staticmethod
     def create(layer, x: Tensor, min_mode_weight: float) -> Optional["ModeKernels"]:
@@ -613,9 +614,8 @@ class ModeKernels:
         n, c = self.passes.vector_shape
         affine = self.passes.block(moments, 2, self.stats_size)
         running = layer.running_buffers()
-        launch(_mn_forward_kernel, self.grid, moments, *parameters, *running, affine, n, c, layer.num_modes,
-               layer.eps, layer.momentum, self.log_min_weight, UPDATE_RUNNING=self.batch_stats,
-               **self.constants)  # fmt: skip
+        launch(_mn_forward_kernel, self.grid, (moments, *parameters, *running, affine, n, c, layer.num_modes,
+               layer.eps, layer.momentum, self.log_min_weight), self.forward_constants)  # fmt: skip
         if self.batch_stats:
             written_in_place(*running)
         return affine, None
@@ -625,8 +625,8 @@ class ModeKernels:
         n, c = self.passes.vector_shape
         pq = self.passes.block(moments, 2)
         grads = [torch.empty_like(t) for t in parameters]
-        launch(_mn_backward_kernel, self.grid, moments, affine, sums, weight, gate_weight, pq, *grads, n, c,
-               layer.num_modes, self.spatial, layer.eps, self.log_min_weight, **self.constants)  # fmt: skip
+        launch(_mn_backward_kernel, self.grid, (moments, affine, sums, weight, gate_weight, pq, *grads, n, c,
+               layer.num_modes, self.spatial, layer.eps, self.log_min_weight), self.constants)  # fmt: skip
         return pq, grads
 
 
@@ -656,8 +656,8 @@ class ModeGroupKernels:
     def forward(self, layer, parameters, moments: Tensor):
         n, c = self.passes.vector_shape
         affine = self.passes.block(moments, 2, self.stats_size)
-        launch(_mgn_forward_kernel, self.forward_grid, moments, *parameters, affine, n, c, layer.num_modes,
-               layer.eps, **self.forward_constants)  # fmt: skip
+        launch(_mgn_forward_kernel, self.forward_grid, (moments, *parameters, affine, n, c, layer.num_modes,
+               layer.eps), self.forward_constants)  # fmt: skip
         return affine, None
 
     def backward(self, layer, parameters, moments: Tensor, affine: Tensor, saved, sums: Tensor):
@@ -665,6 +665,6 @@ class ModeGroupKernels:
         n, c = self.passes.vector_shape
         pq = self.passes.block(moments, 2)
         grads = [torch.empty_like(t) for t in parameters]
-        launch(_mgn_backward_kernel, self.backward_grid, moments, affine, sums, weight, gate_weight, gate_bias, pq,
-               *grads, n, c, layer.num_modes, self.spatial, layer.eps, **self.backward_constants)  # fmt: skip
+        launch(_mgn_backward_kernel, self.backward_grid, (moments, affine, sums, weight, gate_weight, gate_bias, pq,
+               *grads, n, c, layer.num_modes, self.spatial, layer.eps), self.backward_constants)  # fmt: skip
         return pq, grads

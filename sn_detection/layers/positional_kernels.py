@@ -221,7 +221,11 @@ class PositionalKernels:
             block_c = min(next_pow2(c), _TILE // block_p)
             self.hw_blocks = cdiv(self.hw, block_p)
             self.programs = n * self.hw_blocks
-        self.meta = {"CHANNELS_LAST": channels_last, "BLOCK_C": block_c, "BLOCK_P": block_p, "num_warps": _NUM_WARPS}
+        meta = {"CHANNELS_LAST": channels_last, "BLOCK_C": block_c, "BLOCK_P": block_p, "num_warps": _NUM_WARPS}
+        # each launch's constants by its flag, made once (``launch`` takes them as they are); no FMA
+        # contraction in the backward (``backward``)
+        self.forward_meta = {save: dict(meta, SAVE=save) for save in (False, True)}
+        self.backward_meta = {needs_x: dict(meta, NEEDS_X=needs_x, enable_fp_fusion=False) for needs_x in (False, True)}
         self.stats_shape = (3, self.pixels)
         self.partial_shape = (self.programs, 2, c)
         reduce_block_c = min(next_pow2(c), _REDUCE_BLOCK_C)
@@ -233,8 +237,8 @@ class PositionalKernels:
         module docstring when ``save``, else None. One launch."""
         y = _output_like(x)
         stats = x.new_empty(self.stats_shape, dtype=torch.float32) if save else None
-        launch(_forward_kernel, (self.programs,), x, y, stats if save else y, weight, bias, self.c, self.hw,
-               self.pixels, self.hw_blocks, float(eps), SAVE=save, **self.meta)  # fmt: skip
+        launch(_forward_kernel, (self.programs,), (x, y, stats if save else y, weight, bias, self.c, self.hw,
+               self.pixels, self.hw_blocks, float(eps)), self.forward_meta[save])  # fmt: skip
         return y, stats
 
     def backward(
@@ -249,14 +253,13 @@ class PositionalKernels:
         # No FMA contraction: g - mean_c g must cancel exactly where a pixel's g are all equal (one channel,
         # whose grad_x is 0), and a contracted gy * w - mean_c g leaves the product's rounding error, which r =
         # eps^(-1/2) then magnifies
-        launch(_backward_kernel, (self.programs,), grad_y, x, grad_x if needs_x else grad_y, stats, weight, partial,
-               self.c, self.hw, self.pixels, self.hw_blocks, NEEDS_X=needs_x, enable_fp_fusion=False,
-               **self.meta)  # fmt: skip
+        launch(_backward_kernel, (self.programs,), (grad_y, x, grad_x if needs_x else grad_y, stats, weight, partial,
+               self.c, self.hw, self.pixels, self.hw_blocks), self.backward_meta[needs_x])  # fmt: skip
         if not needs_parameters:
             return grad_x, None, None
         grad_weight, grad_bias = torch.empty_like(weight), torch.empty_like(bias)
-        launch(_parameter_gradients_kernel, self.reduce_grid, partial, grad_weight, grad_bias, self.programs, self.c,
-               **self.reduce_meta)  # fmt: skip
+        launch(_parameter_gradients_kernel, self.reduce_grid, (partial, grad_weight, grad_bias, self.programs, self.c),
+               self.reduce_meta)  # fmt: skip
         return grad_x, grad_weight, grad_bias
 
 

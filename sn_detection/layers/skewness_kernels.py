@@ -242,16 +242,16 @@ class SkewnessKernels:
         moments = self.moments.moments(x)
         n, c = self.moments.vector_shape
         mu, r = moments.new_empty(c), moments.new_empty(c)
-        launch(_batch_statistics_kernel, self.channel_grid, moments, *running, mu, r, n, c, layer.eps,
-               layer.momentum, self.bessel, **self.statistics_constants)  # fmt: skip
+        launch(_batch_statistics_kernel, self.channel_grid, (moments, *running, mu, r, n, c, layer.eps,
+               layer.momentum, self.bessel), self.statistics_constants)  # fmt: skip
         fused.written_in_place(*running)
         return mu, r
 
     def forward(self, layer, x: Tensor, mu: Tensor, r: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
         n, c, hw, c_blocks, hw_blocks = self.shape
         y = _output_like(x)
-        launch(_forward_kernel, self.map_grid, x, y, mu, r, weight, bias, c, hw, c_blocks, hw_blocks, layer.eps,
-               float(layer.p), **self.map_constants)  # fmt: skip
+        launch(_forward_kernel, self.map_grid, (x, y, mu, r, weight, bias, c, hw, c_blocks, hw_blocks, layer.eps,
+               float(layer.p)), self.map_constants)  # fmt: skip
         return y
 
     def backward(self, layer, grad_y: Tensor, x: Tensor, mu: Tensor, r: Tensor, weight: Tensor, needs_x: bool):
@@ -259,17 +259,17 @@ class SkewnessKernels:
         grad_y = grad_y.contiguous(memory_format=self.memory_format)
         eps, p = layer.eps, float(layer.p)
         sums = x.new_empty((4, n, c), dtype=torch.float32)
-        launch(_sums_kernel, self.reduce_grid, grad_y, x, mu, r, sums, n, c, hw, c_blocks, eps, p,
-               **self.slope_constants)  # fmt: skip
+        launch(_sums_kernel, self.reduce_grid, (grad_y, x, mu, r, sums, n, c, hw, c_blocks, eps, p),
+               self.slope_constants)  # fmt: skip
         grad_weight, grad_bias = torch.empty_like(weight), torch.empty_like(weight)
         coefficients = sums.new_empty((3, c))
-        launch(_coefficients_kernel, self.channel_grid, sums, mu, r, weight, grad_weight, grad_bias, coefficients, n,
-               c, float(self.count), eps, **self.coefficients_constants)  # fmt: skip
+        launch(_coefficients_kernel, self.channel_grid, (sums, mu, r, weight, grad_weight, grad_bias, coefficients, n,
+               c, float(self.count), eps), self.coefficients_constants)  # fmt: skip
         grad_x = None
         if needs_x:
             grad_x = _output_like(x)
-            launch(_grad_input_kernel, self.map_grid, grad_y, x, grad_x, mu, r, coefficients, c, hw, c_blocks,
-                   hw_blocks, eps, p, **self.slope_constants)  # fmt: skip
+            launch(_grad_input_kernel, self.map_grid, (grad_y, x, grad_x, mu, r, coefficients, c, hw, c_blocks,
+                   hw_blocks, eps, p), self.slope_constants)  # fmt: skip
         return grad_x, grad_weight, grad_bias
 
 

@@ -456,8 +456,8 @@ class SwitchableKernels:
         affine = self.passes.block(moments, 2, self.stats_size)
         running = layer.running_buffers() if layer.use_bn else (moments,) * 3
         pooled = self._pooled_sums(moments) if self.bn_source == _POOLED else moments  # read only when pooled
-        launch(_forward_kernel, self.grid, moments, *parameters, *running, pooled, affine, n, c, layer.eps,
-               layer.momentum, **self.forward_constants)  # fmt: skip
+        launch(_forward_kernel, self.grid, (moments, *parameters, *running, pooled, affine, n, c, layer.eps,
+               layer.momentum), self.forward_constants)  # fmt: skip
         if self.bn_source != _RUNNING:
             written_in_place(*running)
         return affine, pooled
@@ -468,7 +468,7 @@ class SwitchableKernels:
         the autograd path) takes part in the same all-reduce."""
         n, c = self.passes.vector_shape
         pooled = moments.new_empty(2 * c + 1, dtype=torch.float64)
-        launch(_pooled_sums_kernel, self.grid, moments, pooled, n, c, self.spatial, **self.sums_constants)
+        launch(_pooled_sums_kernel, self.grid, (moments, pooled, n, c, self.spatial), self.sums_constants)
         dist.all_reduce(pooled)
         return pooled
 
@@ -482,11 +482,11 @@ class SwitchableKernels:
         if self.bn_source == _POOLED:  # this process's gradient of the pooled sums, added up as the autograd path does
             grad_pooled = torch.empty_like(pooled)
             constants = dict(self.backward_constants, BN_GRAD=_POOLED_SUMS)
-            launch(_backward_kernel, self.grid, *arguments, grad_pooled, pq, *grads, n, c, float(self.spatial),
-                   layer.eps, **constants)  # fmt: skip
+            launch(_backward_kernel, self.grid, (*arguments, grad_pooled, pq, *grads, n, c, float(self.spatial),
+                   layer.eps), constants)  # fmt: skip
             dist.all_reduce(grad_pooled)
-        launch(_backward_kernel, self.grid, *arguments, grad_pooled, pq, *grads, n, c, float(self.spatial),
-               layer.eps, **self.backward_constants)  # fmt: skip
+        launch(_backward_kernel, self.grid, (*arguments, grad_pooled, pq, *grads, n, c, float(self.spatial),
+               layer.eps), self.backward_constants)  # fmt: skip
         return pq, grads
 
 

@@ -264,10 +264,11 @@ launch_observer = None
 skip_launches = False
 
 
-def launch(kernel, grid: tuple, *args, **meta) -> None:
+def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     """``kernel[grid](*args, **meta)``, seen by ``launch_observer``: every kernel of the package is launched
-    here, so that a launch count sees them all. Once a kernel has run for a specialization, later calls
-    launch its compiled kernel directly (``compiled_launch``)."""
+    here, so that a launch count sees them all. ``args`` and ``meta`` come as a tuple and a dict, which
+    plans make once (``meta``, the constexprs and options, is only read). Once a kernel has run for a
+    specialization, later calls launch its compiled kernel directly (``compiled_launch``)."""
     if skip_launches:
         return
     if launch_observer is None:
@@ -395,8 +396,13 @@ class MapPasses:
         self.vector_shape = (n, c)
         self.reduce_grid = (n * self.c_blocks,)  # the reductions: one program per (sample, channel block)
         self.map_grid = (n * self.c_blocks * self.hw_blocks,)  # the elementwise passes: one per tile
-        self.meta = dict(CHANNELS_LAST=self.channels_last, BLOCK_C=self.block_c, BLOCK_HW=self.block_hw,
-                         num_warps=_NUM_WARPS)  # fmt: skip
+        meta = dict(CHANNELS_LAST=self.channels_last, BLOCK_C=self.block_c, BLOCK_HW=self.block_hw,
+                    num_warps=_NUM_WARPS)  # fmt: skip
+        self.meta = meta
+        # each launch's constants by its flag, made once (``launch`` takes them as they are)
+        self.moments_meta = {flag: dict(meta, HAS_RESIDUAL=flag) for flag in (False, True)}
+        self.scale_shift_meta = {flag: dict(meta, HAS_CENTER=flag) for flag in (False, True)}
+        self.grad_input_meta = {flag: dict(meta, HAS_RESIDUAL=flag) for flag in (False, True)}
 
     def block(self, x: Tensor, rows: int, extra: int = 0) -> Tensor:
         """A float32 block of ``rows`` (N, C) rows on x's device, plus ``extra`` values after them, to be
@@ -415,16 +421,16 @@ class MapPasses:
         """The moments block (2, N, C): mean, variance."""
         moments = self._reduced(x, 2)
         if not self.empty:
-            launch(_moments_kernel, self.reduce_grid, x, moments, self.n, self.c, self.hw, self.c_blocks,
-                   HAS_RESIDUAL=False, **self.meta)  # fmt: skip
+            launch(_moments_kernel, self.reduce_grid, (x, moments, self.n, self.c, self.hw, self.c_blocks),
+                   self.moments_meta[False])  # fmt: skip
         return moments
 
     def moments_and_residual(self, x: Tensor) -> Tensor:
         """The moments block (3, N, C): mean, variance, residual."""
         moments = self._reduced(x, 3)
         if not self.empty:
-            launch(_moments_kernel, self.reduce_grid, x, moments, self.n, self.c, self.hw, self.c_blocks,
-                   HAS_RESIDUAL=True, **self.meta)  # fmt: skip
+            launch(_moments_kernel, self.reduce_grid, (x, moments, self.n, self.c, self.hw, self.c_blocks),
+                   self.moments_meta[True])  # fmt: skip
         return moments
 
     def scale_shift(self, x: Tensor, affine: Tensor, center: Tensor | None = None) -> Tensor:
@@ -434,8 +440,8 @@ class MapPasses:
             return y
         has_center = center is not None
         launch(_scale_shift_kernel, self.map_grid,
-            x, y, affine, center if has_center else affine, self.n, self.c, self.hw, self.c_blocks, self.hw_blocks,
-            HAS_CENTER=has_center, **self.meta,
+            (x, y, affine, center if has_center else affine, self.n, self.c, self.hw, self.c_blocks, self.hw_blocks),
+            self.scale_shift_meta[has_center],
         )  # fmt: skip
         return y
 
@@ -446,7 +452,7 @@ class MapPasses:
             return sums
         grad_y = grad_y.contiguous(memory_format=self.memory_format)
         launch(_centered_dot_and_sum_kernel, self.reduce_grid,
-            grad_y, x, center, sums, self.n, self.c, self.hw, self.c_blocks, **self.meta,
+            (grad_y, x, center, sums, self.n, self.c, self.hw, self.c_blocks), self.meta,
         )  # fmt: skip
         return sums
 
@@ -458,8 +464,8 @@ class MapPasses:
             return grad_x
         grad_y = grad_y.contiguous(memory_format=self.memory_format)
         launch(_grad_input_kernel, self.map_grid,
-            grad_y, x, grad_x, scale, pq, moments, self.n, self.c, self.hw, self.c_blocks, self.hw_blocks,
-            HAS_RESIDUAL=residual, **self.meta,
+            (grad_y, x, grad_x, scale, pq, moments, self.n, self.c, self.hw, self.c_blocks, self.hw_blocks),
+            self.grad_input_meta[residual],
         )  # fmt: skip
         return grad_x
 

@@ -51,7 +51,7 @@ def scaled_copy(x, n, block):
     """y = 2 x on the first n elements of x (the rest of y NaN), through ``triton_kernels.launch``; each test
     takes a block size of its own, so that its launch keys are its own."""
     y = torch.full_like(x, float("nan"))
-    triton_kernels.launch(_scaled_copy_kernel, (triton_kernels.cdiv(n, block),), x, y, n, 2.0, BLOCK=block)
+    triton_kernels.launch(_scaled_copy_kernel, (triton_kernels.cdiv(n, block),), (x, y, n, 2.0), {"BLOCK": block})
     return y
 
 
@@ -202,7 +202,7 @@ def launched_on_stand_in(kernel, launches, calls):
     """(kernel number, launcher arguments) of each call, launched through ``triton_kernels.launch``."""
     start = len(launches)
     for grid, args, meta in calls:
-        triton_kernels.launch(kernel, grid, *args, **meta)
+        triton_kernels.launch(kernel, grid, args, meta)
     return launches[start:]
 
 

@@ -30,7 +30,7 @@ def test_triton_launches_are_counted_by_kernel_and_their_own_work_is_not(monkeyp
         def __getitem__(self, grid):
             return lambda *args, **meta: torch.ones(3).sum()
 
-    counts = count_dispatch(lambda: (triton_kernels.launch(Kernel(), (1,)), torch.ones(2) * 2))
+    counts = count_dispatch(lambda: (triton_kernels.launch(Kernel(), (1,), (), {}), torch.ones(2) * 2))
     assert counts.operations == {"triton:_stand_in_kernel": 1, "ones": 1, "mul": 1}
     assert triton_kernels.launch_observer is None  # restored
 
