@@ -1,8 +1,9 @@
-"""The model zoo: every config of the package's ``configs/`` with the paper's AP and the pretrained backbone
+"""The model zoo: every config of ``configs/`` with the paper's AP and the pretrained backbone
 it expects.
 
-The configs are package data (``sn_detection/configs``; the repository's ``configs/`` links to it), so an
-installed wheel serves them as an editable checkout does: ``get_config_file(name)`` / ``get_config(name)``
+The configs are the repository's top-level ``configs/``, which the build installs as the package's
+``sn_detection/configs`` (setup.py), so an installed wheel serves them as a checkout does (``CONFIG_DIR``:
+the package's folder where it exists, else the checkout's): ``get_config_file(name)`` / ``get_config(name)``
 give a catalog config's path / its loaded detectron2 config, ``lazy_names()``,
 ``get_lazy_config_file(name)`` / ``get_lazy_config(name)`` the same for the LazyConfigs of
 ``configs/lazy``.
@@ -32,10 +33,12 @@ from typing import Optional, Sequence
 
 from .conversion.conventions import INPUT_CONVENTIONS, InputConvention
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
-LAZY_CONFIG_DIR = os.path.join(CONFIG_DIR, "lazy")
-# the repository's model_zoo/ (README, sections, measurements): present in a checkout, not in a wheel
+# the repository's configs/ and model_zoo/ (README, sections, measurements): present in a checkout
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# an installed package's copy of configs/, or (a checkout, where nothing is copied) the repository's own
+_INSTALLED_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+CONFIG_DIR = _INSTALLED_CONFIG_DIR if os.path.isdir(_INSTALLED_CONFIG_DIR) else os.path.join(REPO_ROOT, "configs")
+LAZY_CONFIG_DIR = os.path.join(CONFIG_DIR, "lazy")
 README = os.path.join(REPO_ROOT, "model_zoo", "README.md")
 SECTIONS_DIR = os.path.join(REPO_ROOT, "model_zoo", "sections")
 MEASURED_FILE = os.path.join(REPO_ROOT, "model_zoo", "measured.json")
@@ -220,13 +223,16 @@ def get_entry(name: str) -> Entry:
 
 
 def get_config_file(name: str) -> str:
-    """The path of the catalog config ``name`` in the package's ``configs/``."""
-    return _package_file(os.path.join(CONFIG_DIR, get_entry(name).name + ".yaml"))
+    """The path of the catalog config ``name`` in ``CONFIG_DIR``."""
+    return _config_file(os.path.join(CONFIG_DIR, get_entry(name).name + ".yaml"))
 
 
-def _package_file(path: str) -> str:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing: the configs are package data of sn_detection, reinstall it")
+def _config_file(path: str) -> str:
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{path} is missing: sn_detection's configs are the checkout's configs/ or, installed, the package's "
+            "sn_detection/configs; reinstall the package or restore the checkout"
+        )
     return path
 
 
@@ -244,9 +250,8 @@ def get_config(name: str):
 
 def lazy_names() -> tuple[str, ...]:
     """Every LazyConfig of ``configs/lazy`` by name (its file name without ``.py``), sorted."""
-    if not os.path.isdir(LAZY_CONFIG_DIR):
-        return ()
-    return tuple(sorted(name[: -len(".py")] for name in os.listdir(LAZY_CONFIG_DIR) if name.endswith(".py")))
+    names = os.listdir(_config_file(LAZY_CONFIG_DIR))
+    return tuple(sorted(name[: -len(".py")] for name in names if name.endswith(".py")))
 
 
 def get_lazy_config_file(name: str) -> str:
@@ -254,7 +259,7 @@ def get_lazy_config_file(name: str) -> str:
     valid = lazy_names()
     if name not in valid:
         raise ValueError(f"unknown model zoo LazyConfig {name!r}; valid names are {list(valid)}")
-    return _package_file(os.path.join(LAZY_CONFIG_DIR, name + ".py"))
+    return _config_file(os.path.join(LAZY_CONFIG_DIR, name + ".py"))
 
 
 def get_lazy_config(name: str):

@@ -33,6 +33,15 @@ def test_lookup_by_name():
     assert cfg.MODEL.RESNETS.NORM == "SN" and cfg.MODEL.MASK_ON and cfg.TEST.BATCH_AVERAGE.ENABLED
 
 
+def test_a_checkout_serves_its_top_level_configs_in_place():
+    """In a checkout the configs are the repository's configs/ (a real folder; only a built package has a
+    copy, as sn_detection/configs)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert model_zoo.CONFIG_DIR == os.path.join(repo, "configs") and not os.path.islink(model_zoo.CONFIG_DIR)
+    assert not os.path.exists(os.path.join(repo, "sn_detection", "configs"))
+    assert model_zoo.LAZY_CONFIG_DIR == os.path.join(repo, "configs", "lazy")
+
+
 def test_an_unknown_name_lists_the_valid_ones():
     with pytest.raises(ValueError, match="unknown model zoo config 'mask_rcnn_sn_3x'.*mask_rcnn_sn_2x"):
         model_zoo.get_config_file("mask_rcnn_sn_3x")

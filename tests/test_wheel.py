@@ -1,5 +1,7 @@
-"""The model zoo from a built wheel: installed into a folder of its own and imported from there, with the
-repository out of sight, every catalog config and every LazyConfig loads."""
+"""The model zoo from a built wheel: built from a source distribution of the repository (so both carry the
+top-level configs/, which the build installs as sn_detection/configs, without a copy in the source), installed
+into a folder of its own and imported from there, with the repository out of sight, it has every file of
+configs/ and every catalog config and every LazyConfig loads."""
 
 import json
 import os
@@ -28,8 +30,14 @@ CHECK = textwrap.dedent(
     for name in model_zoo.lazy_names():
         cfg = model_zoo.get_lazy_config(name)
         lazy[name] = cfg.model.backbone.bottom_up.stages.norm.name
-    print(json.dumps({"file": sn_detection.__file__, "config_dir": model_zoo.CONFIG_DIR, "yaml": yaml,
-                      "lazy": lazy, "path": [os.path.realpath(entry) for entry in sys.path]}))
+    files = sorted(
+        os.path.relpath(os.path.join(folder, name), model_zoo.CONFIG_DIR)
+        for folder, _, names in os.walk(model_zoo.CONFIG_DIR)
+        for name in names
+        if "__pycache__" not in folder
+    )
+    print(json.dumps({"file": sn_detection.__file__, "config_dir": model_zoo.CONFIG_DIR, "files": files,
+                      "yaml": yaml, "lazy": lazy, "path": [os.path.realpath(entry) for entry in sys.path]}))
     """
 )
 
@@ -42,15 +50,21 @@ def _run(args, **kwargs):
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """The folder a wheel built from a copy of the repository is installed into (no dependencies)."""
+    """The folder a wheel built from a source distribution of a copy of the repository is installed into (no
+    dependencies)."""
     tmp = tmp_path_factory.mktemp("wheel")
     source = tmp / "source"
     # a copy, so that setuptools' build/ and egg-info stay out of the checkout; only what a clone has
     ignore = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "output")
     shutil.copytree(REPO, source, symlinks=True, ignore=ignore)
-    wheels, target = tmp / "wheels", tmp / "site"
+    sdists, wheels, target = tmp / "sdist", tmp / "wheels", tmp / "site"
+    # the PEP 517 hook that `python -m build` calls first
+    build_sdist = f"from setuptools import build_meta; build_meta.build_sdist({str(sdists)!r})"
+    _run([sys.executable, "-c", build_sdist], cwd=source)
+    assert not (source / "sn_detection" / "configs").exists()  # the build maps configs/, it copies nothing there
+    (sdist,) = sdists.glob("sn_detection-*.tar.gz")
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
-    _run(pip + ["wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(wheels), str(source)])
+    _run(pip + ["wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(wheels), str(sdist)])
     (wheel,) = wheels.glob("sn_detection-*.whl")
     _run(pip + ["install", "--no-deps", "--no-index", "--target", str(target), str(wheel)])
     return target
@@ -63,8 +77,17 @@ def test_the_wheel_serves_every_config_without_the_repository(installed, tmp_pat
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
 
     assert os.path.commonpath([loaded["file"], str(installed)]) == str(installed), loaded["file"]
-    assert os.path.commonpath([loaded["config_dir"], str(installed)]) == str(installed)
+    assert loaded["config_dir"] == str(installed / "sn_detection" / "configs")
     assert os.path.realpath(REPO) not in loaded["path"]
+    # every config file of the repository's configs/ (yaml, the LazyConfigs' .py), and nothing else
+    configs = os.path.join(REPO, "configs")
+    in_repository = [
+        os.path.relpath(os.path.join(folder, name), configs)
+        for folder, _, names in os.walk(configs)
+        for name in names
+        if name.endswith((".yaml", ".py"))
+    ]
+    assert loaded["files"] == sorted(in_repository)
 
     # the norms of each config, as the catalog has them (the backbone's; the FPN's is the head's)
     assert set(loaded["yaml"]) == set(model_zoo.names())
