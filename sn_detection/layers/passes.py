@@ -29,9 +29,12 @@ The Triton path: one kernel each, reading fp16 / bf16 inputs directly (no fp32 c
 channels_last; ``moments`` in one read with shifted sums (exact whatever the ratio). It is taken for CUDA
 tensors with Triton 3 or newer, and, for CPU tensors, when the tests run Triton's interpreter
 (``TRITON_INTERPRET=1``); tensors it does not take (float64, other layouts) use the PyTorch path.
-Under create_graph (a differentiable backward) every pass is plain autograd-tracked tensor code.
+Under create_graph (a differentiable backward) every pass is plain autograd-tracked tensor code. Where
+Triton is missing or older than 3, CUDA tensors take the PyTorch path too, and the first layer to plan a
+call on one says so, once per process (``warn_if_kernels_off``).
 """
 
+import warnings
 from typing import Optional
 
 import torch
@@ -55,6 +58,35 @@ def _triton_version_ok() -> bool:
 
 _TRITON = _triton_version_ok()
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_warned_kernels_off = False
+
+
+# A warning rather than a log record, as Python's logging guide advises for a cause the user can remove (torch
+# warns so of its environment too): it reaches stderr in any script, whatever loggers it set up, pytest lists
+# it, and a user who means to run without the kernels silences exactly it by its category.
+class KernelsOffWarning(UserWarning):
+    """CUDA tensors run the layers' PyTorch path: this process has no Triton 3 or newer."""
+
+
+def _kernels_off_message() -> str:
+    """What ``KernelsOffWarning`` says: the cause (Triton missing, or its version) and the fix."""
+    found = f"{triton_kernels.triton.__version__} is installed" if triton_kernels.available() else "is not installed"
+    return (
+        f"sn_detection: Triton {found}, and the layers' Triton kernels need Triton 3 or newer, so on CUDA the "
+        "layers run their plain PyTorch path meanwhile (correct, but many more kernel launches per layer). To run "
+        "the kernels, install a torch that ships Triton 3 (torch >= 2.4 on Linux) or `pip install 'triton>=3'`."
+    )
+
+
+def warn_if_kernels_off(x: Tensor) -> None:
+    """Warn (``KernelsOffWarning``), once per process, when ``x`` is a CUDA tensor and Triton is missing or
+    older than 3. Called when a layer makes a call plan (``base.NormBase.call_plan``), never per call: the
+    warning costs nothing on the calls that follow."""
+    global _warned_kernels_off
+    if _TRITON or _warned_kernels_off or not x.is_cuda:
+        return
+    _warned_kernels_off = True
+    warnings.warn(_kernels_off_message(), KernelsOffWarning)
 
 
 def kernel_path(x: Tensor) -> bool:
