@@ -2,7 +2,7 @@
 """Each learned layer's training step on CUDA with Triton's ordinary launch path and with the direct launch of
 the compiled kernels, side by side.
 
-    python tools/benchmark_launch.py [--norms SN,DN] [--shape 2,256,6,6] [--rounds 15] [--json launch.json]
+    tools/benchmark_launch.py [--norms SN,DN] [--shape 2,256,6,6] [--rounds 15] [--json launch.json]
 
 See sn_detection/engine/benchmark_launch.py.
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Forward + backward time and memory of every norm of ``build_norm``, next to torch's GroupNorm and BatchNorm.
 
-    python tools/benchmark_norms.py [--shapes small] [--repeats 5] [--threads N] [--device cuda] [--amp] [--json results.json]
+    tools/benchmark_norms.py [--shapes small] [--repeats 5] [--threads N] [--device cuda] [--amp] [--json results.json]
 
 Shapes, memory and ratios: sn_detection/engine/benchmark_norms.py.
 """

@@ -3,7 +3,7 @@
 mask AP, and write a table (mean ± std over seeds), a CSV and plots. Resumable: finished runs are skipped.
 
     tools/compare_norms.py [--settings BN GN SN DN MGN SN/GN GN/SN] [--seeds 1 2 3] [--iters N] \
-        [--output-dir output/compare_norms] [--publish model_zoo/compare_norms.md] [--report-only] [KEY VALUE ...]
+        [--output-dir output/compare_norms] [--publish model_zoo/sections/NAME.md] [--report-only] [KEY VALUE ...]
 
 See sn_detection/engine/compare_norms.py for the choices made.
 """

@@ -1,8 +1,9 @@
 """``tools/convert_pretrained.py SRC DST --source {sn,torchvision,gn} [--norm {BN,SN,GN}] [--verbose]``.
 
-Prints the report (converted, initialised, skipped, mismatched, missing keys and the input convention
-the source needs) and writes DST only when every backbone tensor converted; on any problem it writes
-nothing, prints what is wrong and exits with status 2.
+Writes DST only when every backbone tensor converted, then prints the report (converted, initialised,
+skipped, mismatched, missing keys and the input convention the source needs). A refused file gets no
+report: the error comes first, then only the keys that do not fit, then that nothing was written; the
+exit status is 2.
 """
 
 import argparse
@@ -17,7 +18,7 @@ from .sources import SOURCES, convert_file
 EXIT_FAILURE = 2
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="convert_pretrained.py",
         description="Convert an ImageNet-pretrained ResNet into a detectron2 backbone checkpoint.",
@@ -33,7 +34,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "initialise SN or GN)",
     )
     parser.add_argument("--verbose", action="store_true", help="list every key in the report")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -43,13 +48,13 @@ def main(argv=None) -> int:
         write_checkpoint(
             state, args.dst, author=f"sn_detection.conversion ({args.source}: {os.path.basename(args.src)})"
         )
-    except ConversionError as error:
-        if error.report is not None:
-            print(error.report.format(args.verbose), file=sys.stderr)
+    except (ConversionError, OSError) as error:  # OSError: reading or writing failed
         print(f"error: {error}", file=sys.stderr)
-        return EXIT_FAILURE
-    except OSError as error:  # reading or writing failed; nothing was written
-        print(f"error: {error}", file=sys.stderr)
+        found = getattr(error, "report", None)  # a ConversionError's per-key findings, where it has some
+        if found is not None and (problems := found.format_problems(args.verbose)):
+            print("what does not fit" + ("" if args.verbose else " (--verbose lists every key)") + ":", file=sys.stderr)
+            print(problems, file=sys.stderr)
+        print(f"nothing was written to {args.dst}", file=sys.stderr)
         return EXIT_FAILURE
     print(report.format(args.verbose))
     print(f"wrote {args.dst}")

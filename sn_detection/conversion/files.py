@@ -42,14 +42,14 @@ WRITERS = {".pkl": _write_pickle, ".pth": _write_torch, ".pt": _write_torch}
 
 
 def write_checkpoint(state: Mapping[str, Tensor], path: str, author: str) -> None:
-    """Write ``state`` as a detectron2 checkpoint to ``path`` (.pkl, .pth or .pt), atomically."""
+    """Write ``state`` as a detectron2 checkpoint to ``path`` (.pkl, .pth or .pt), atomically; its folder
+    is made where missing."""
     suffix = os.path.splitext(path)[1]
     if suffix not in WRITERS:
         raise ConversionError(f"{path}: the output must end in one of {sorted(WRITERS)}")
     checkpoint = {"model": dict(state), "__author__": author, "matching_heuristics": True}
     directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise ConversionError(f"{path}: the directory {directory} does not exist")
+    os.makedirs(directory, exist_ok=True)
     descriptor, partial = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".partial")
     try:
         with os.fdopen(descriptor, "wb") as stream:

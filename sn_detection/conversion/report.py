@@ -59,6 +59,21 @@ class ConversionReport:
         ]
         return "\n".join(lines)
 
+    def format_problems(self, verbose: bool = False) -> str:
+        """What a refused conversion found wrong: the mismatched and missing keys (and, when verbose, the
+        skipped ones); none of the converted keys or the input convention, which only a written file has."""
+        lines = []
+        if self.mismatched:
+            lines.append(f"  mismatched: {len(self.mismatched)}")
+            lines += _capped([f"    {key}: {problem}" for key, problem in self.mismatched], verbose)
+        if self.missing:
+            lines.append(f"  missing: {len(self.missing)}")
+            lines += _capped([f"    {key}" for key in self.missing], verbose)
+        if verbose and self.skipped:
+            lines.append(f"  skipped: {len(self.skipped)}")
+            lines += _grouped(self.skipped, verbose)
+        return "\n".join(lines)
+
 
 def _capped(lines: list[str], verbose: bool, limit: int = _SHOWN_PROBLEMS) -> list[str]:
     if verbose or len(lines) <= limit:

@@ -114,11 +114,9 @@ class ResNetCollector:
             state[f"{module}.weight"] = conv
             state.update(self._emit_norm(module, shape[0], norm_params, norm, use_bn))
         if not self.report.ok:
-            raise ConversionError(
-                f"{len(self.report.missing)} missing and {len(self.report.mismatched)} mismatched "
-                f"tensor(s) for {self.report.architecture or 'a ResNet'}",
-                self.report,
-            )
+            counts = [(len(self.report.missing), "missing"), (len(self.report.mismatched), "mismatched")]
+            found = " and ".join(f"{count} {kind}" for count, kind in counts if count)
+            raise ConversionError(f"{found} tensor(s) for {self.report.architecture or 'a ResNet'}", self.report)
         return state
 
     def _expected_conv_shapes(self) -> dict[str, tuple[int, int, int, int]]:
@@ -198,7 +196,9 @@ class ResNetCollector:
             raise ConversionError(f"SN layers disagree on the number of logits ({example})", self.report)
         use_bn = counts.keys() != {2}
         if not use_bn:
-            self.report.notes.append("SN without BN branch: build the target SN layers with use_bn=False")
+            self.report.notes.append(
+                "SN without a BN branch (2 logits): set MODEL.SN.USE_BN False (layers built with use_bn=False)"
+            )
         return use_bn
 
     def _emit_norm(self, module: str, channels: int, params: dict, norm: str, use_bn: bool) -> dict[str, Tensor]:

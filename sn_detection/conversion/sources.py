@@ -18,8 +18,15 @@ SOURCES: dict[str, ModuleType] = {
     "gn": detectron_gn,
 }
 
-# (pattern over a file's keys, what such a file is) for naming the layout of a wrong-kind file
+# (pattern over a file's keys, what such a file is) for naming the layout of a wrong-kind file; the first
+# pattern that a key matches names it
 _LAYOUT_SIGNS = (
+    (
+        re.compile(r"^Conv_Body\.(conv_body\.)?res1\.sn1\."),
+        "the SN authors' detection code's copy of an SN ImageNet ResNet (Detectron.pytorch names, Conv_Body.*), "
+        "which this converter does not read: convert the ImageNet checkpoint of their Switchable-Normalization "
+        "model zoo",
+    ),
     (re.compile(r"(^|\.)sn1\.mean_weight$"), "an SN ImageNet checkpoint (--source sn)"),
     (re.compile(r"(^|\.)bn1\.running_mean$"), "a torchvision BN ResNet (--source torchvision)"),
     (re.compile(r"^conv1_gn_s$"), "a Detectron GN pickle (--source gn)"),
@@ -55,8 +62,10 @@ def convert_file(source: str, path: str, norm: str | None = None) -> tuple[dict,
 
 
 def _describe(state: Mapping) -> str:
-    """Which known layout the keys of ``state`` look like ("" if none)."""
+    """Which known layout the keys of ``state``, or of a dict under its "model", look like ("" if none)."""
     keys = [key for key in state if isinstance(key, str)]
+    if isinstance(state.get("model"), Mapping):
+        keys += [key for key in state["model"] if isinstance(key, str)]
     for pattern, layout in _LAYOUT_SIGNS:
         if any(pattern.search(key) for key in keys):
             return layout

@@ -43,7 +43,7 @@ from .trained import add_overrides_argument, load_trained_model
 REPORT_FOLDER = "norm_analysis"
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Which normalizer each part of a trained detector chose.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config-file", metavar="FILE", help="the config; weights: see MODEL.WEIGHTS below")
@@ -53,6 +53,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--num-images", type=int, default=8, help="images of DATASETS.TEST[0] to observe MN/MGN gates on (8)"
     )
     add_overrides_argument(parser)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.checkpoint and args.opts:
         parser.error(f"config overrides {args.opts} need --config-file, not --checkpoint")

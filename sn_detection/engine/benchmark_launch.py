@@ -2,7 +2,7 @@
 step (forward + backward, gradients set to None first) through Triton's ordinary launch path and through the
 direct one, side by side, with their ratio. CUDA only: elsewhere there is no direct launch.
 
-    python tools/benchmark_launch.py [--norms SN,DN] [--shape 2,256,6,6] [--rounds 15] [--json launch.json]
+    tools/benchmark_launch.py [--norms SN,DN] [--shape 2,256,6,6] [--rounds 15] [--json launch.json]
 
 At the default shape the kernels take microseconds, so the step's wall time (the device synchronised around
 each round's steps) is the host's: what a launch costs is what is measured. Candidates run in interleaved
@@ -18,7 +18,10 @@ from typing import Optional, Sequence
 import torch
 
 from ..layers import NORM_NAMES, build_norm, compiled_launch, triton_kernels
-from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, output_file, positive_int, range_text, ratio_to
+from .timing import (
+    WARMUP_ROUNDS, create_folder_of, device_seconds, interleaved_seconds, output_file, positive_int, range_text,
+    ratio_to,
+)  # fmt: skip
 
 PATHS = ("ordinary", "direct")
 
@@ -65,7 +68,7 @@ def launch_path_times(
     return results
 
 
-def main(argv: Optional[Sequence[str]] = None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--norms", default=",".join(NORM_NAMES), help=f"comma-separated, of {', '.join(NORM_NAMES)}")
     parser.add_argument("--shape", default="2,256,6,6", help="N,C,H,W of the input (default: 2,256,6,6)")
@@ -73,6 +76,11 @@ def main(argv: Optional[Sequence[str]] = None):
         "--rounds", type=positive_int, default=15, help=f"timed rounds (after {WARMUP_ROUNDS} warm-up rounds)"
     )
     parser.add_argument("--json", metavar="PATH", type=output_file, help="also write the results as JSON")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     names = [name for name in args.norms.split(",") if name]
     unknown = [name for name in names if name not in NORM_NAMES]
@@ -100,6 +108,7 @@ def main(argv: Optional[Sequence[str]] = None):
               f"{result['direct']['ratio']:6.2f} {range_text(result['direct']['ratio_range']):>10} "
               f"{share:>16}")  # fmt: skip
     if args.json:
+        create_folder_of(args.json)
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "shape": shape, "results": results}, f, indent=1)
 

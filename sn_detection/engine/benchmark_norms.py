@@ -2,8 +2,8 @@
 
 Not a test: a measurement to run by hand, on CPU and, when available, CUDA:
 
-    python tools/benchmark_norms.py [--shapes small] [--norms SN,DN] [--repeats 5] [--threads N] [--device cuda] [--amp]
-                                    [--json results.json] [--baseline REF]
+    tools/benchmark_norms.py [--shapes small] [--norms SN,DN] [--repeats 5] [--threads N] [--device cuda] [--amp]
+                             [--json results.json] [--baseline REF]
 
 Shapes are those of detection: two FPN levels at batch 2 (2, 256, 200, 336) and (2, 256, 100, 168), the
 RoI box head (512, 256, 14, 14) and a stem-sized map (2, 64, 400, 672). Each layer runs in training mode in
@@ -43,7 +43,8 @@ from torch import nn
 from ..layers import NORM_NAMES, build_norm
 from .baseline import baseline_layers, baseline_twin
 from .timing import (
-    WARMUP_ROUNDS, device_seconds, interleaved_seconds, output_file, positive_int, range_text, ratio_to,
+    WARMUP_ROUNDS, create_folder_of, device_seconds, interleaved_seconds, output_file, positive_int, range_text,
+    ratio_to,
 )  # fmt: skip
 
 SHAPES = {
@@ -197,7 +198,7 @@ def print_table(rows):
         )
 
 
-def main(argv: Optional[Sequence[str]] = None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="full")
     parser.add_argument("--norms", default=",".join(NORM_NAMES), help="comma-separated names of build_norm to time "
@@ -213,6 +214,11 @@ def main(argv: Optional[Sequence[str]] = None):
     parser.add_argument("--json", metavar="PATH", type=output_file, help="also write the rows as JSON")
     parser.add_argument("--baseline", metavar="REF", help="also time each learned norm as commit REF of this "
                         "checkout has it, side by side (rows 'NAME @COMMIT')")  # fmt: skip
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     norms = [name for name in args.norms.split(",") if name]
     unknown = [name for name in norms if name not in NORM_NAMES]
@@ -246,6 +252,7 @@ def main(argv: Optional[Sequence[str]] = None):
                 print_profile(device, shape, dtype, baseline, norms)
                 print()
     if args.json:
+        create_folder_of(args.json)
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 

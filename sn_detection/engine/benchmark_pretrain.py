@@ -3,7 +3,7 @@ hours an ImageNet epoch would take at that speed.
 
 Not a test: a measurement to run by hand, on the GPUs that will pretrain (or on the CPU):
 
-    python tools/benchmark_pretrain.py [--config-file configs/mask_rcnn_sn_2x.yaml] [--norms BN,GN,SN]
+    tools/benchmark_pretrain.py [--config-file configs/mask_rcnn_sn_2x.yaml] [--norms BN,GN,SN]
         [--devices 8] [--classes 1000] [--epoch-images 1281167] [--data FOLDER] [--cuda-graph] [--rounds 5]
         [--threads N] [--json PATH] [KEY VALUE ...]
 
@@ -30,6 +30,7 @@ own dataset) and gives, per norm, the workers each device needs to keep up with 
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import math
@@ -44,8 +45,8 @@ from ..pretraining.model import BackboneClassifier
 from ..pretraining.train import build_optimizer, build_trainer
 from .launch import load_cfg
 from .timing import (
-    WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs, positive_int,
-    range_text, ratio_to, timed_norms,
+    WARMUP_ROUNDS, create_folder_of, device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs,
+    positive_int, range_text, ratio_to, timed_norms,
 )  # fmt: skip
 
 REFERENCE = "BN"
@@ -134,7 +135,7 @@ def print_table(rows, devices):
         print(line.rstrip())
 
 
-def parse_args(argv: Optional[Sequence[str]] = None):
+def build_parser() -> argparse.ArgumentParser:
     description = __doc__.split("\n\n")[0]
     parser = norm_benchmark_parser(description, "configs/mask_rcnn_sn_2x.yaml", "BN,GN,SN", REFERENCE, 5)
     parser.add_argument("--devices", type=positive_int, default=8, help="processes that share PRETRAIN.IMS_PER_BATCH")
@@ -146,7 +147,11 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     parser.add_argument(
         "--cuda-graph", action="store_true", help="also time each norm's step captured in a CUDA graph (NORM+graph)"
     )
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None):
+    return build_parser().parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None):
@@ -205,6 +210,7 @@ def main(argv: Optional[Sequence[str]] = None):
             row["workers_per_device"] = math.ceil(row["images_per_second_per_device"] / loaded)
     print_table(rows, args.devices)
     if args.json:
+        create_folder_of(args.json)
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 

@@ -2,11 +2,11 @@
 
 Not a test: a measurement to run by hand, on CPU and, when available, CUDA:
 
-    python tools/benchmark_train.py [--norms GN,SN,FrozenBN] [--rounds 8] [--threads N] [--json out.json]
-                                    [--graphed-backbone] [--baseline REF] [--config-file configs/demo_mask_rcnn_gn.yaml]
-                                    [KEY VALUE ...]
-    python tools/benchmark_train.py --config-file configs/lazy/mask_rcnn_sn_lsj_100ep.py --norms GN,SN \\
-                                    --graphed-backbone [key=value ...]
+    tools/benchmark_train.py [--norms GN,SN,FrozenBN] [--rounds 8] [--threads N] [--json out.json]
+                             [--graphed-backbone] [--baseline REF] [--config-file configs/demo_mask_rcnn_gn.yaml]
+                             [KEY VALUE ...]
+    tools/benchmark_train.py --config-file configs/lazy/mask_rcnn_sn_lsj_100ep.py --norms GN,SN \\
+                             --graphed-backbone [key=value ...]
 
 Every setting puts its norm in the backbone, the FPN and both heads of the same model: a yaml config's
 MODEL.RESNETS.NORM, MODEL.FPN.NORM, MODEL.ROI_BOX_HEAD.NORM and MODEL.ROI_MASK_HEAD.NORM (``KEY VALUE``
@@ -41,6 +41,7 @@ reference, and the lowest and highest ratio within one round ("rounds": the run-
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import functools
@@ -62,8 +63,8 @@ from ..layers import NORM_NAMES, NormBase, NormFactory
 from .baseline import baseline_layers, with_baseline_norms
 from .launch import load_cfg
 from .timing import (
-    device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs, range_text, ratio_to,
-    timed_norms,
+    create_folder_of, device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs, range_text,
+    ratio_to, timed_norms,
 )  # fmt: skip
 
 NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
@@ -223,7 +224,7 @@ def print_table(rows, reference: str):
         )
 
 
-def main(argv: Optional[Sequence[str]] = None):
+def build_parser() -> argparse.ArgumentParser:
     description = __doc__.split("\n\n")[0]
     parser = norm_benchmark_parser(description, "configs/demo_mask_rcnn_gn.yaml", "GN,SN,FrozenBN", REFERENCE, 8)
     parser.add_argument(
@@ -233,6 +234,11 @@ def main(argv: Optional[Sequence[str]] = None):
     )  # fmt: skip
     parser.add_argument("--baseline", metavar="REF", help="also time each of our learned norms with its layers as "
                         "commit REF of this checkout has them, side by side (settings 'NAME @COMMIT')")  # fmt: skip
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         baseline = baseline_layers(args.baseline) if args.baseline else None
@@ -285,6 +291,7 @@ def main(argv: Optional[Sequence[str]] = None):
     ]
     print_table(rows, reference)
     if args.json:
+        create_folder_of(args.json)
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 

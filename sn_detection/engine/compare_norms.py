@@ -97,7 +97,7 @@ from .jobs import (
     threads_of,
 )
 from .launch import load_cfg
-from .timing import format_duration, output_file
+from .timing import create_folder_of, format_duration, output_file
 from .trainer import RESULTS_FILE
 
 logger = logging.getLogger(__name__)
@@ -488,12 +488,18 @@ def run_sweep(
 
 
 def config_label(config_file: str) -> str:
-    """How the table names ``config_file``: a config of a package's ``configs/`` as ``configs/NAME`` (the
-    path in a checkout, where ``configs`` links to the package's), however it was reached and whichever
-    checkout's package it is (a worktree at the commit a sweep runs); any other as given."""
-    packaged = os.sep + os.path.join("sn_detection", "configs", "")
-    _, found, name = os.path.realpath(config_file).rpartition(packaged)
-    return "configs/" + name.replace(os.sep, "/") if found else config_file
+    """How the table names ``config_file``: one of sn_detection's configs as ``configs/NAME``, its path in a
+    checkout, however it was reached and whichever copy it is: a checkout's ``configs/`` (the folder beside
+    ``sn_detection/``; any checkout, such as a worktree at the commit a sweep runs) or an installed
+    package's ``sn_detection/configs``; any other as given."""
+    folder, parts = os.path.realpath(config_file), []
+    while os.path.dirname(folder) != folder:
+        folder, part = os.path.split(folder)
+        parts.insert(0, part)
+        installed = os.path.basename(folder) == "sn_detection"
+        if part == "configs" and (installed or os.path.isdir(os.path.join(folder, "sn_detection"))):
+            return "/".join(parts)
+    return config_file
 
 
 def describe(
@@ -582,11 +588,12 @@ def write_outputs(
     plots.plot_loss_curves({name: seeds for name, seeds in curves.items() if any(seeds.values())},
                            os.path.join(output_dir, CURVES_FILE))  # fmt: skip
     if publish:
+        create_folder_of(publish)
         report.write_markdown(publish, description, summaries, unfinished, pairs)
     return results
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Train the same CPU-sized Mask R-CNN once per norm setting and seed and compare COCO AP."
     )
@@ -637,10 +644,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="with --finetune: seed k finetunes a backbone pretrained with SEED k, so that the spread over seeds "
         "includes the backbone's (default: every seed finetunes the backbone of the config's SEED)",
     )  # fmt: skip
-    parser.add_argument("--publish", metavar="FILE", type=output_file, help="also write the table here, e.g. model_zoo/compare_norms.md")
+    parser.add_argument(
+        "--publish", metavar="FILE", type=output_file,
+        help="also write the table here, e.g. model_zoo/sections/NAME.md: a section of model_zoo/README.md, which "
+        "python -m sn_detection.model_zoo renders",
+    )  # fmt: skip
     parser.add_argument("--report-only", action="store_true", help="only write the tables and plots of finished runs")
     parser.add_argument("--plan-only", action="store_true", help="print the plan and the estimate, run nothing")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides for every run")
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.config_file = args.config_file or (DEFAULT_FINETUNE_CONFIG if args.finetune else DEFAULT_CONFIG)
     default_output = DEFAULT_BEST_OUTPUT_DIR if args.backbones else DEFAULT_FINETUNE_OUTPUT_DIR

@@ -3,12 +3,13 @@ gradients set to None first) and inference forward, next to torch's GroupNorm an
 (``sn_detection.layers.launches``). On a GPU each launch costs microseconds of host time, so this is what
 makes a layer host-bound there; counted on any machine:
 
-    python tools/count_launches.py [--device cuda] [--json counts.json] [--host-time [--baseline REF]]
+    tools/count_launches.py [--device cuda] [--json counts.json] [--host-time [--baseline REF]]
     TRITON_INTERPRET=1 $(tools/setup_kernel_env.sh) tools/count_launches.py   # the GPU's path, on the CPU
 
 Without a GPU and without the interpreter, the layers run their PyTorch path, and that is what is counted.
-``--host-time`` also times each layer's training step and evaluation forward on the kernel path with its
-Triton launches skipped: the host's work around the kernels, beside torch's GroupNorm(32) (``host_times``).
+``--host-time`` also times each layer's training step and evaluation forward on the kernel path (a CUDA
+device, or the interpreter as in the second line) with its Triton launches skipped: the host's work around
+the kernels, beside torch's GroupNorm(32) (``host_times``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from torch import nn
 from ..layers import NORM_NAMES, build_norm, passes
 from ..layers.launches import layer_counts, skipped_launches
 from .baseline import baseline_layers, baseline_twin
-from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, positive_int, range_text, ratio_to
+from .timing import (
+    WARMUP_ROUNDS, create_folder_of, device_seconds, interleaved_seconds, output_file, positive_int, range_text,
+    ratio_to,
+)  # fmt: skip
 
 
 def host_times(device: torch.device, rounds: int, shape=(2, 256, 6, 6), steps: int = 100, baseline=None) -> dict:
@@ -93,15 +97,20 @@ def host_times(device: torch.device, rounds: int, shape=(2, 256, 6, 6), steps: i
     return {"train": ratio_to(train, "torch GN(32)"), "eval": ratio_to(evaluate, "torch GN(32)")}
 
 
-def main(argv: Optional[Sequence[str]] = None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: CUDA where available, else the CPU")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--json", metavar="PATH", type=output_file, help="also write the rows as JSON")
     parser.add_argument("--host-time", action="store_true",
                         help="also time each layer's training step with its Triton launches skipped (needs the kernel path)")
     parser.add_argument("--rounds", type=positive_int, default=15, help="--host-time: rounds, the layers in turn in each (default: 15)")
     parser.add_argument("--baseline", metavar="REF", help="--host-time: also time each learned norm as commit REF of "
                         "this checkout has it, side by side (rows 'NAME @COMMIT')")  # fmt: skip
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.baseline and not args.host_time:
         parser.error("--baseline times the host's work: give --host-time too")
@@ -143,6 +152,7 @@ def main(argv: Optional[Sequence[str]] = None):
             row["host_time"] = times["train"].get(row["layer"])
             row["host_time_eval"] = times["eval"].get(row["layer"])
     if args.json:
+        create_folder_of(args.json)
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 

@@ -42,7 +42,7 @@ FOUND_IOU = 0.5
 DRAW_SCALE = 2.0
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Draw a trained model's predictions on images.")
     parser.add_argument("--config-file", metavar="FILE", required=True)
     parser.add_argument(
@@ -57,6 +57,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="draw only the highest-scoring of detections overlapping at more than IOU, of any class (off)",
     )  # fmt: skip
     add_overrides_argument(parser)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.num_images < 1:
         parser.error(f"--num-images must be >= 1, got {args.num_images}")

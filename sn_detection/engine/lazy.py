@@ -21,6 +21,7 @@ checkpointer. The latest evaluation goes to ``output_dir/eval_results.json``, as
 
 from __future__ import annotations
 
+import argparse
 import copy
 import logging
 from typing import Optional, Sequence
@@ -157,7 +158,12 @@ def train_or_evaluate(args) -> Optional[dict]:
     train(cfg, args.resume)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """detectron2's training arguments: the config, --eval-only, --resume, the processes, key=value overrides."""
+    return default_argument_parser()
+
+
 def main(argv: Optional[Sequence[str]] = None):
     """Parse detectron2's training arguments (overrides as key=value) and run in K processes."""
-    args = default_argument_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     return launch_processes(train_or_evaluate, args)

@@ -10,6 +10,7 @@ PIXEL_STD, INPUT.FORMAT, STRIDE_IN_1X1) and the pretraining (PRETRAIN.*: data, s
 
 from __future__ import annotations
 
+import argparse
 from typing import Optional, Sequence
 
 from detectron2.engine import default_argument_parser, default_setup
@@ -33,12 +34,18 @@ def pretrain_in_process(args) -> dict:
     return results
 
 
-def main(argv: Optional[Sequence[str]] = None):
+def build_parser() -> argparse.ArgumentParser:
+    """detectron2's training arguments, and --cached."""
     parser = default_argument_parser()
     parser.add_argument(
         "--cached", action="store_true",
         help="make the config's backbone once, in one process, in the cache; print its path (stdout)",
     )  # fmt: skip
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.eval_only:
         parser.error("--eval-only: pretraining has no evaluation-only run; its top-1 is in results.json")

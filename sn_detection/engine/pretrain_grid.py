@@ -112,7 +112,7 @@ from .jobs import (
     write_json,
 )
 from .launch import load_cfg
-from .timing import format_duration, output_file
+from .timing import create_folder_of, format_duration, output_file
 
 logger = logging.getLogger(__name__)
 
@@ -604,6 +604,7 @@ def write_outputs(output_dir, description, cells, results, target, publish=None,
     with open(os.path.join(output_dir, TABLE_FILE), "w") as f:
         f.write(text)
     if publish:
+        create_folder_of(publish)
         with open(publish, "w") as f:
             f.write(text)
     with open(os.path.join(output_dir, CSV_FILE), "w", newline="") as f:
@@ -629,7 +630,7 @@ def write_outputs(output_dir, description, cells, results, target, publish=None,
 # -- the command -------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Pretrain every norm's backbone under a grid of PRETRAIN settings at one budget, into the "
         "backbone cache that tools/compare_norms.py --finetune reads; resumable by running it again."
@@ -662,6 +663,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--plan-only", action="store_true", help="print the plan and the estimate, run nothing")
     parser.add_argument("--report-only", action="store_true", help="only write the outputs of the done cells")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides for every cell")
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")

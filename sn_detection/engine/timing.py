@@ -79,15 +79,24 @@ def positive_int(text: str) -> int:
 
 def output_file(text: str) -> str:
     """argparse ``type=`` of a file a tool writes after its work (``--json``, ``--publish``): checked
-    before the work, which can take hours."""
-    folder = os.path.dirname(os.path.abspath(text))
-    if os.path.isdir(text):
+    before the work, which can take hours. Its folder may be missing (``create_folder_of`` makes it when
+    the file is written); the nearest one that exists must be a writable folder."""
+    path = os.path.abspath(text)
+    if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; give the file to write")
-    if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(f"{text!r}: its folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text!r}: its folder {folder} is not writable")
+    existing = os.path.dirname(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise argparse.ArgumentTypeError(f"{text!r}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: the folder {existing} is not writable")
     return text
+
+
+def create_folder_of(path: str) -> None:
+    """The folder of the file ``path``, with the folders above it, made where missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
 def norm_benchmark_parser(description: str, config_file: str, norms: str, reference: str, rounds: int):

@@ -7,6 +7,7 @@ tools (the norm sweep) start training runs from the installed package.
 
 from __future__ import annotations
 
+import argparse
 from typing import Optional, Sequence
 
 from detectron2.engine import default_argument_parser
@@ -14,9 +15,14 @@ from detectron2.engine import default_argument_parser
 from .launch import launch_processes, train_or_evaluate
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """detectron2's training arguments: the config, --eval-only, --resume, the processes, KEY VALUE overrides."""
+    return default_argument_parser()
+
+
 def main(argv: Optional[Sequence[str]] = None):
     """Parse detectron2's training arguments and run ``train_or_evaluate`` in K processes."""
-    args = default_argument_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     return launch_processes(train_or_evaluate, args)
 
 

@@ -1,5 +1,6 @@
 """Files of the wrong kind fail with a message that names the problem and the expected layout, and the
-command line then writes nothing and exits with status 2."""
+command line then prints that error first, only the keys that do not fit, and that it wrote nothing, and
+exits with status 2."""
 
 import datetime
 
@@ -131,12 +132,65 @@ def test_norm_the_source_cannot_initialise(files):
         convert_file("sn", str(files[0] / "resnet18_sn.pth"), norm="BN")
 
 
-def test_cli_fails_with_status_2_and_writes_nothing(files, tmp_path, capsys):
+def refusal(files, tmp_path, capsys, name, *flags) -> list[str]:
+    """The lines a refused conversion of ``name`` prints, after checking that it exits with status 2,
+    prints nothing on stdout and writes nothing."""
     destination = tmp_path / "out.pkl"
-    assert main([str(files[0] / "resnet18.pth"), str(destination), "--source", "sn"]) == EXIT_FAILURE
-    err = capsys.readouterr().err
-    assert "error:" in err and "--source torchvision" in err and "missing: " in err
-    assert list(tmp_path.iterdir()) == []
+    assert main([str(files[0] / name), str(destination), *flags]) == EXIT_FAILURE
+    out, err = capsys.readouterr()
+    assert out == "" and list(tmp_path.iterdir()) == []
+    lines = err.splitlines()
+    assert lines[-1] == f"nothing was written to {destination}"
+    return lines
+
+
+def test_a_refusal_says_so_first_and_prints_no_report(files, tmp_path, capsys):
+    """A wrong-layout file: the error first, then only the keys that do not fit, then that nothing was
+    written; no converted keys and no input convention, which read as if part of the file were usable."""
+    lines = refusal(files, tmp_path, capsys, "resnet18.pth", "--source", "sn")
+    assert lines[0].startswith("error: ") and "does not have the 'sn' layout: 108 missing tensor(s)" in lines[0]
+    assert "Its keys look like a torchvision BN ResNet (--source torchvision)" in lines[0]
+    assert lines[1] == "what does not fit (--verbose lists every key):"
+    assert lines[2:5] == ["  missing: 108", "    sn1.weight", "    sn1.bias"]
+    text = "\n".join(lines)
+    for report_only in ("converted", "initialised", "skipped", "input convention", "PIXEL_MEAN", "wrote"):
+        assert report_only not in text
+
+
+def test_a_refused_mismatch_names_the_tensor(files, tmp_path, capsys):
+    state = dict(files[1])
+    state["layer2.1.conv2.weight"] = torch.zeros(128, 128, 1, 1)
+    torch.save(state, files[0] / "mismatched.pth")
+    lines = refusal(files, tmp_path, capsys, "mismatched.pth", "--source", "torchvision")
+    assert "1 mismatched tensor(s) for ResNet-18" in lines[0] and "missing" not in lines[0]
+    assert lines[1:-1] == [
+        "what does not fit (--verbose lists every key):",
+        "  mismatched: 1",
+        "    layer2.1.conv2.weight: shape (128, 128, 1, 1), detectron2 expects (128, 128, 3, 3)",
+    ]
+
+
+def test_a_verbose_refusal_lists_every_key(files, tmp_path, capsys):
+    lines = refusal(files, tmp_path, capsys, "resnet18.pth", "--source", "sn", "--verbose")
+    assert lines[1] == "what does not fit:" and "layer4.1.sn2.running_var" in {line.strip() for line in lines}
+    assert "  skipped: 90" in lines and not any("more; --verbose" in line for line in lines)
+
+
+def test_a_file_of_the_wrong_kind_is_refused_in_two_lines(files, tmp_path, capsys):
+    lines = refusal(files, tmp_path, capsys, "resnet18.pth", "--source", "gn")
+    assert lines == [
+        f"error: {files[0] / 'resnet18.pth'} is a zip archive (torch.save's format), not a pickle",
+        f"nothing was written to {tmp_path / 'out.pkl'}",
+    ]
+
+
+def test_a_conversion_prints_its_report_and_what_it_wrote(files, tmp_path, capsys):
+    destination = tmp_path / "out.pkl"
+    assert main([str(files[0] / "resnet18.pth"), str(destination), "--source", "torchvision"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and destination.is_file()
+    assert out.startswith("source 'torchvision': ResNet-18 -> detectron2 ResNet keys for norm BN\n  converted: 100\n")
+    assert "    INPUT.FORMAT RGB\n" in out and out.endswith(f"wrote {destination}\n")
 
 
 def test_cli_rejects_an_unknown_output_suffix(files, tmp_path, capsys):
@@ -156,3 +210,24 @@ def test_torch_file_with_arbitrary_objects_is_refused(tmp_path):
     torch.save({"conv1.weight": datetime.date(2018, 7, 2)}, path)
     with pytest.raises(ConversionError, match="not a PyTorch checkpoint"):
         convert_file("torchvision", str(path))
+
+
+def test_the_sn_authors_detection_copy_is_named(files, tmp_path):
+    """SwitchNorm_Detection publishes its backbones renamed for Detectron.pytorch ({"model": ...} with keys
+    Conv_Body.conv_body.res1.conv1.weight, ...res1.sn1.*, ...res2.0.conv1.weight): the refusal says so and
+    points to the ImageNet checkpoint."""
+    state = torch.load(files[0] / "resnet18_sn.pth", weights_only=True)["state_dict"]
+    renamed = {}
+    for key, value in state.items():
+        key = key.removeprefix("module.")
+        if key.startswith(("conv1.", "sn1.")):
+            renamed[f"Conv_Body.conv_body.res1.{key}"] = value
+        elif key.startswith("layer"):
+            renamed[f"Conv_Body.conv_body.res{int(key[5]) + 1}{key[6:]}"] = value
+    assert "Conv_Body.conv_body.res2.0.sn1.mean_weight" in renamed
+    path = tmp_path / "resnet-sn-18-fpn.pth"
+    torch.save({"model": renamed}, path)
+    with pytest.raises(ConversionError) as error:
+        convert_file("sn", str(path))
+    assert "no key of the expected layout was found" in str(error.value)
+    assert "look like the SN authors' detection code's copy of an SN ImageNet ResNet" in str(error.value)

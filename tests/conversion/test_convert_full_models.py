@@ -5,7 +5,14 @@ from the file through DetectionCheckpointer's name matching, and nothing in the 
 import pytest
 from detectron2 import model_zoo
 from detectron2.modeling import build_model
-from resnet_sources import assert_loaded, load_with_checkpointer, read_converted
+import torch
+from resnet_sources import (
+    assert_loaded,
+    load_with_checkpointer,
+    read_converted,
+    sn_authors_checkpoint,
+    torchvision_resnet,
+)
 from torch import nn
 
 from sn_detection import model_zoo as sn_model_zoo
@@ -104,3 +111,36 @@ def test_mask_rcnn_sn_2x_config(sn_converted):
     assert_loaded(model, read_converted(sn_converted), prefixes=("backbone.bottom_up.",))
     assert_no_backbone_warning(warnings, ("bottom_up",))
     assert isinstance(model.backbone.bottom_up.res3[0].conv2.norm, SwitchableNorm2d)
+
+
+@pytest.fixture(scope="module")
+def sn_without_bn_converted(tmp_path_factory):
+    """An (8, 1)-style SN ResNet-18 (the authors' models without the BN branch: 2 logits, no running
+    statistics), converted."""
+    net = torchvision_resnet(18, norm_layer=lambda c: SwitchableNorm2d(c, use_bn=False), seed=5)
+    directory = tmp_path_factory.mktemp("full_sn_nobn")
+    torch.save(sn_authors_checkpoint(net, with_bn=False), directory / "resnet18_sn_8x1.pth")
+    return converted_file("sn", directory / "resnet18_sn_8x1.pth", directory / "r18_sn_8x1.pkl")
+
+
+def sn_r18_config(use_bn: bool):
+    cfg = sn_model_zoo.get_config("mask_rcnn_sn_2x")
+    cfg.merge_from_list(["MODEL.DEVICE", "cpu", "MODEL.WEIGHTS", "", "MODEL.RESNETS.DEPTH", 18,
+                         "MODEL.RESNETS.RES2_OUT_CHANNELS", 64, "MODEL.SN.USE_BN", use_bn])
+    return build_model(cfg)
+
+
+def test_a_model_without_the_bn_branch_needs_use_bn_false(sn_without_bn_converted):
+    """docs/pretrained_weights.md: such a file loads whole into the config with MODEL.SN.USE_BN False; with
+    the default True detectron2 only warns and leaves every SN layer's logits at their initial values."""
+    model = sn_r18_config(use_bn=False)
+    warnings = load_with_checkpointer(model, sn_without_bn_converted)
+    assert_loaded(model, read_converted(sn_without_bn_converted), prefixes=("backbone.bottom_up.",))
+    assert_no_backbone_warning(warnings, ("bottom_up",))
+    model = sn_r18_config(use_bn=True)
+    initial = {key: value.clone() for key, value in model.state_dict().items() if key.endswith("_weight")}
+    warnings = "\n".join(load_with_checkpointer(model, sn_without_bn_converted))
+    assert "res2.0.conv1.norm.mean_weight" in warnings and "running_var" in warnings
+    for key, value in model.state_dict().items():
+        if key.startswith("backbone.bottom_up.") and key.endswith(("norm.mean_weight", "norm.var_weight")):
+            assert value.shape == (3,) and torch.equal(value, initial[key]), key

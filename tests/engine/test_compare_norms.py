@@ -41,17 +41,20 @@ def test_settings_name_the_backbone_then_fpn_and_heads():
     ]  # fmt: skip
 
 
-def test_a_packaged_config_is_named_by_its_checkout_path(tmp_path):
-    """The default config (the package's file) and the checkout's configs/ link to it read the same."""
+def test_a_config_of_the_package_is_named_by_its_checkout_path(tmp_path):
+    """The default config (model_zoo's), the checkout's file reached by another path, the same config in
+    another checkout (a worktree at the commit a sweep runs) and in an installed package read the same."""
+    name = "configs/demo_compare_norms.yaml"
+    assert compare_norms.config_label(CONFIG) == name
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert compare_norms.config_label(CONFIG) == "configs/demo_compare_norms.yaml"
-    linked = os.path.join(repo, "configs", "demo_compare_norms.yaml")
-    assert compare_norms.config_label(linked) == "configs/demo_compare_norms.yaml"
-    elsewhere = str(tmp_path / "mine.yaml")
-    assert compare_norms.config_label(elsewhere) == elsewhere
-    # the same config in another checkout of the package (a worktree at the commit a sweep runs)
-    worktree = tmp_path / "worktree" / "sn_detection" / "configs"
-    assert compare_norms.config_label(str(worktree / "demo_compare_norms.yaml")) == "configs/demo_compare_norms.yaml"
+    assert compare_norms.config_label(os.path.join(repo, "tools", "..", name)) == name
+    (tmp_path / "worktree" / "sn_detection").mkdir(parents=True)
+    assert compare_norms.config_label(str(tmp_path / "worktree" / name)) == name
+    installed = tmp_path / "site" / "sn_detection" / "configs" / "lazy" / "mask_rcnn_sn_2x.py"
+    assert compare_norms.config_label(str(installed)) == "configs/lazy/mask_rcnn_sn_2x.py"
+    # any other config as given, a folder named configs included
+    for elsewhere in (str(tmp_path / "mine.yaml"), str(tmp_path / "mine" / name)):
+        assert compare_norms.config_label(elsewhere) == elsewhere
 
 
 @pytest.mark.parametrize("text", ["XN", "SN/GN/BN", "SN/", ""])
@@ -123,7 +126,7 @@ def output_dirs_of(calls):
 
 
 def test_tiny_sweep_writes_its_outputs_and_resumes(tmp_path, train_net_calls):
-    output_dir, published = tmp_path / "sweep", tmp_path / "compare_norms.md"
+    output_dir, published = tmp_path / "sweep", tmp_path / "zoo" / "compare_norms.md"  # a folder yet to make
     arguments = [*SWEEP, "--output-dir", str(output_dir), "--publish", str(published), *TINY]
     assert compare_norms.main(arguments) == 0
     gn, bn_gn = str(output_dir / "GN" / "seed7"), str(output_dir / "BN-GN" / "seed7")
@@ -225,11 +228,14 @@ def test_finetuning_a_backbone_without_norm_is_refused_up_front(capsys):
     assert [setting.name for setting in args.settings] == ["SN", "FrozenBN/-", "-/GN", "-"]
 
 
-def test_publish_into_a_missing_folder_is_refused_up_front(tmp_path, capsys):
-    missing = tmp_path / "missing" / "results.md"
+def test_publish_where_nothing_can_be_written_is_refused_up_front(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("")
+    under_a_file = tmp_path / "notes.txt" / "results.md"
     with pytest.raises(SystemExit):
-        compare_norms.parse_args(["--publish", str(missing)])
-    assert f"argument --publish: '{missing}': its folder {missing.parent} does not exist" in capsys.readouterr().err
+        compare_norms.parse_args(["--publish", str(under_a_file)])
+    assert f"argument --publish: '{under_a_file}': {under_a_file.parent} is a file" in capsys.readouterr().err
+    missing = str(tmp_path / "missing" / "results.md")  # made when the table is written
+    assert compare_norms.parse_args(["--publish", missing]).publish == missing
     with pytest.raises(SystemExit):
         compare_norms.parse_args(["--publish", str(tmp_path)])
     assert f"argument --publish: '{tmp_path}' is a folder" in capsys.readouterr().err

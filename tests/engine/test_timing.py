@@ -102,13 +102,19 @@ def test_a_norm_setting_the_config_cannot_build_is_refused_with_the_reason():
 
 
 def test_a_file_written_after_the_work_is_checked_before_it(tmp_path):
-    """--json and --publish are written when hours of timing or training are done: a folder that is not
-    there fails at once, naming it."""
-    assert timing.output_file(str(tmp_path / "rows.json")) == str(tmp_path / "rows.json")
-    with pytest.raises(argparse.ArgumentTypeError, match=f"its folder {tmp_path / 'absent'} does not exist"):
-        timing.output_file(str(tmp_path / "absent" / "rows.json"))
+    """--json and --publish are written when hours of timing or training are done: a path that cannot be
+    written fails at once, naming the problem; missing folders are fine, made when the file is written."""
+    absent = tmp_path / "absent" / "deeper" / "rows.json"
+    assert timing.output_file(str(absent)) == str(absent)
+    assert not (tmp_path / "absent").exists()  # checked by the parser, made by the writer
+    timing.create_folder_of(str(absent))
+    assert absent.parent.is_dir()
+    (tmp_path / "notes.txt").write_text("")
+    under_a_file = str(tmp_path / "notes.txt" / "rows.json")
+    with pytest.raises(argparse.ArgumentTypeError, match=f"{tmp_path / 'notes.txt'} is a file, not a folder"):
+        timing.output_file(under_a_file)
     with pytest.raises(argparse.ArgumentTypeError, match="is a folder; give the file to write"):
         timing.output_file(str(tmp_path))
     parser = timing.norm_benchmark_parser("a tool", "cfg.yaml", "GN", "GN", 3)
     with pytest.raises(SystemExit):
-        parser.parse_args(["--json", str(tmp_path / "absent" / "rows.json")])
+        parser.parse_args(["--json", under_a_file])

@@ -84,7 +84,7 @@ def test_skipped_launches_run_no_kernel_and_end_with_the_block():
 def test_the_tool_times_every_layers_host_work_without_detectron2(tmp_path):
     """The launch count's tool runs where detectron2 is absent (the kernel-test environment has none), and
     --host-time gives every layer a training-step and an evaluation-forward time and a ratio to torch's
-    GroupNorm."""
+    GroupNorm; --json goes into a folder the tool makes."""
     import json
     import subprocess
     import sys
@@ -92,11 +92,11 @@ def test_the_tool_times_every_layers_host_work_without_detectron2(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run(
         [sys.executable, os.path.join(repo, "tools", "count_launches.py"), "--host-time", "--rounds", "1",
-         "--json", str(tmp_path / "counts.json")],
+         "--json", str(tmp_path / "out" / "counts.json")],
         cwd=repo, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = {row["layer"]: row for row in json.loads((tmp_path / "counts.json").read_text())}
+    rows = {row["layer"]: row for row in json.loads((tmp_path / "out" / "counts.json").read_text())}
     for key in ("host_time", "host_time_eval"):
         assert rows["torch BN"][key] is None and rows["torch GN(32)"][key]["ratio"] == 1.0
         for name in NORM_NAMES:
