@@ -15,22 +15,30 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+# how long the processes may take to start and join the group: spawning and importing torch, which a
+# loaded machine slows by tens of seconds, count against this and not against the function's timeout
+START_TIMEOUT = 300
 
 
 def run_processes(function, args, nprocs, timeout=120):
     """``function(rank, *args)`` in ``nprocs`` processes that share one gloo group (the default process
     group). An exception in one is raised here with its traceback, whichever process the other ranks'
     consequent errors (a peer gone from a collective) reach torch's join first. Processes still running
-    after ``timeout`` seconds are killed and fail the test with every thread's stack in each, so that a
-    mismatched or hung collective fails one test, saying where, instead of stalling the suite."""
+    ``timeout`` seconds after every one of them joined the group (or ``START_TIMEOUT`` seconds after the
+    spawn, if they have not all joined by then) are killed and fail the test with every thread's stack in
+    each, so that a mismatched or hung collective fails one test, saying where, instead of stalling the
+    suite."""
     with tempfile.TemporaryDirectory() as directory:
         workers = mp.spawn(_rank_main, args=(function, args, nprocs, directory), nprocs=nprocs, join=False)
-        deadline = time.monotonic() + timeout
+        deadline, joined = time.monotonic() + START_TIMEOUT, False
         try:
             while not workers.join(timeout=1):
+                if not joined and all(os.path.exists(_joined_file(directory, rank)) for rank in range(nprocs)):
+                    deadline, joined = time.monotonic() + timeout, True
                 if time.monotonic() > deadline:
                     stacks = _stacks_and_kill(workers.processes, directory)
-                    pytest.fail(f"{nprocs} processes running {function.__name__} did not finish in {timeout} s\n{stacks}")
+                    waited = f"in {timeout} s" if joined else f"joining the group in {START_TIMEOUT} s"
+                    pytest.fail(f"{nprocs} processes running {function.__name__} did not finish {waited}\n{stacks}")
         except mp.ProcessRaisedException as error:
             failures = [f"rank {rank}: {text}" for rank in range(nprocs) if (text := _read(_error_file(directory, rank)))]
             if failures:
@@ -45,6 +53,7 @@ def _rank_main(rank, function, args, world_size, directory):
     dist.init_process_group(
         "gloo", init_method=f"file://{directory}/init", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
     )
+    open(_joined_file(directory, rank), "w").close()
     try:
         function(rank, *args)
     except BaseException:
@@ -80,6 +89,10 @@ def _stacks_and_kill(processes, directory, wait=10):
     for process in alive.values():
         process.kill()
     return "\n".join(f"rank {rank}:\n{_read_stacks(directory, rank) or 'no stack: still starting'}" for rank in alive)
+
+
+def _joined_file(directory, rank):
+    return os.path.join(directory, f"joined{rank}.txt")
 
 
 def _error_file(directory, rank):
