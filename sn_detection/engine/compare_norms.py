@@ -97,7 +97,8 @@ from .jobs import (
     threads_of,
 )
 from .launch import load_cfg
-from .timing import create_folder_of, format_duration, output_file
+from ..benchmarks.timing import format_duration
+from .arguments import create_folder_of, output_file
 from .trainer import RESULTS_FILE
 
 logger = logging.getLogger(__name__)

@@ -112,7 +112,8 @@ from .jobs import (
     write_json,
 )
 from .launch import load_cfg
-from .timing import create_folder_of, format_duration, output_file
+from ..benchmarks.timing import format_duration
+from .arguments import create_folder_of, output_file
 
 logger = logging.getLogger(__name__)
 
@@ -347,7 +348,7 @@ def measured_step_seconds(cfg: CfgNode, steps: int, threads: int) -> float:
     ``threads`` intra-op threads: the trainer, network and optimizer of pretraining, without its data."""
     import torch
 
-    from .benchmark_pretrain import Setting, random_batch
+    from ..benchmarks.pretrain import Setting, random_batch
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
