@@ -74,15 +74,15 @@ from ..evidence.runs import (
 )
 from ..layers import has_batch_statistics
 from ..pretraining.model import PRETRAINED_AS, pretrained_norm
-from ..pretraining.train import RESULTS_FILE as PRETRAINING_RESULTS_FILE
-from ..pretraining.train import (
+from ..pretraining.cache import (
     cached_backbone_folder,
     cached_backbone_path,
     is_cached,
     pretrained_root,
     same_run_stop,
-    trained_iterations,
 )
+from ..pretraining.train import RESULTS_FILE as PRETRAINING_RESULTS_FILE
+from ..pretraining.train import trained_iterations
 from .jobs import (
     JOB_LOG,
     WORK_FOLDER,
@@ -209,7 +209,7 @@ def pretraining_configs(
     cfg, settings: Sequence[Setting], best: Optional[dict[str, dict]] = None
 ) -> dict[str, CfgNode]:
     """Backbone norm -> the config that pretrains it with that norm (FrozenBN: with BN) by cfg's PRETRAIN
-    settings (``sn_detection.pretraining.train.cached_backbone``), with ``best[pretrained norm]``'s PRETRAIN
+    settings (``sn_detection.pretraining.cache.cached_backbone``), with ``best[pretrained norm]``'s PRETRAIN
     overrides (``--backbones``: tools/pretrain_grid.py's best.json) if given."""
     configs = {}
     for norm in dict.fromkeys(setting.backbone for setting in settings):

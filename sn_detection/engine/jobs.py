@@ -2,8 +2,8 @@
 (``run_jobs``, ``child_environment``): tools/compare_norms.py's train_net runs, and backbone jobs, which
 make the cells of tools/pretrain_grid.py and the backbones a finetune sweep lacks.
 
-A backbone job is one backbone of the cache (``sn_detection.pretraining.train.cached_backbone``) and a folder of its
-own: ``training/`` (the work folder, checkpointed every PRETRAIN.CHECKPOINT_PERIOD iterations, so that a
+A backbone job is one backbone of the cache (``sn_detection.pretraining.cache.cached_backbone``) and a folder
+of its own: ``training/`` (the work folder, checkpointed every PRETRAIN.CHECKPOINT_PERIOD iterations, so that a
 job killed mid-way continues from its last checkpoint the next time; removed once the backbone is in the
 cache), ``pretrain.log`` (its output, appended by every attempt) and ``cell.json`` (what it makes, and
 every attempt: start, wall time, exit status, resumed or not, threads, ``code_version``). An attempt is
@@ -33,7 +33,7 @@ import torch
 from detectron2.checkpoint import DetectionCheckpointer
 from torch import nn
 
-from ..pretraining.train import cached_backbone, cached_backbone_folder
+from ..pretraining.cache import cached_backbone, cached_backbone_folder
 from .launch import load_cfg
 
 logger = logging.getLogger(__name__)

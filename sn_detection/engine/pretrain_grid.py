@@ -49,7 +49,7 @@ cell). FrozenBN is pretrained as BN (``pretrained_norm``), so it is the BN cell.
   norm reaches it; a norm whose best never did is reported as not reached. Where a norm's best cell
   first reached X at its end (the final evaluation), or at an evaluation whose model it kept (a grid run
   with PRETRAIN.KEEP_EVALUATED_MODELS), the equal cell is made from the cell's run without training
-  (``pretraining.train.same_run_stop``): a copy of its backbone, or the batch average of that model.
+  (``pretraining.cache.same_run_stop``): a copy of its backbone, or the batch average of that model.
   The stop is checked every PRETRAIN.EVAL_PERIOD of the grid, or every ``--equal-eval-period N``
   iterations: a finer N stops nearer X (top-1 may climb several points between two of the grid's
   evaluations), and the equal cells then train, their run's evaluations not being the grid cell's.
@@ -92,10 +92,9 @@ from .. import model_zoo
 from ..d2 import valid_norm_names
 from ..evidence.runs import reached_stop
 from ..pretraining.model import PRETRAINED_AS
-from ..pretraining.train import (
-    LOG_PERIOD, METRICS_FILE, RESULTS_FILE, cached_backbone_folder, cached_backbone_path, is_cached,
-    same_run_stop, top1_curve, trained_iterations,
-)  # fmt: skip
+from ..pretraining.cache import cached_backbone_folder, cached_backbone_path, is_cached, same_run_stop
+from ..pretraining.top1_stop import top1_curve
+from ..pretraining.train import LOG_PERIOD, METRICS_FILE, RESULTS_FILE, trained_iterations
 from .compare_norms import DEFAULT_SEEDS, backbone_configs, config_label, override_list, with_pretrain_overrides
 from .jobs import (
     JOB_LOG,

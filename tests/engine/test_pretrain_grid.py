@@ -20,7 +20,8 @@ from sn_detection.engine.launch import load_cfg
 from sn_detection.engine.compare_norms import Setting, parse_setting
 from sn_detection.engine.pretrain_grid import Cell, cell_cfg, iterations_to_reach, plan_cells, top1_curve
 from sn_detection.pretraining import train as pretraining_train
-from sn_detection.pretraining.train import cached_backbone, cached_backbone_folder, cached_backbone_path, pretrain
+from sn_detection.pretraining.cache import cached_backbone, cached_backbone_folder, cached_backbone_path
+from sn_detection.pretraining.train import pretrain
 from tiny_pretraining import pretrain_killed_at, tiny_pretrain_keys
 
 CONFIG = pretrain_grid.DEFAULT_CONFIG

@@ -19,10 +19,13 @@ from tiny_pretraining import REPO, pretrain_killed_at, tiny_cfg, tiny_pretrainin
 
 from sn_detection.d2 import trainers
 from sn_detection.data import cache as data_cache
-from sn_detection.engine import pretrain_backbone
+from sn_detection.pretraining import cache as pretraining_cache
+from sn_detection.pretraining import cli as pretrain_backbone
 from sn_detection.pretraining import train as pretraining_train
+from sn_detection.pretraining.cache import cached_backbone
 from sn_detection.pretraining.model import BackboneClassifier, backbone_cfg, pretrained_norm
-from sn_detection.pretraining.train import BACKBONE_FILE, RESULTS_FILE, cached_backbone, pretrain
+from sn_detection.pretraining.top1_stop import top1_curve
+from sn_detection.pretraining.train import BACKBONE_FILE, RESULTS_FILE, pretrain
 
 # small models on a shared CPU, and bit-exact reductions for the resume test (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -110,7 +113,7 @@ def test_a_stopped_pretraining_is_the_beginning_of_the_whole_run(tiny_classifica
     short = torch.load(tmp_path / "short" / "model_0000001.pth", map_location="cpu", weights_only=False)
     assert [group["lr"] for group in short["trainer"]["optimizer"]["param_groups"]] != learning_rates[0]
 
-    key = pretraining_train.cache_key
+    key = pretraining_cache.cache_key
     whole_key = key(tiny_cfg(tiny_classification_set, tmp_path))
     assert key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.STOP_ITER", 4)) == whole_key
     assert key(stopped_cfg) != whole_key
@@ -215,7 +218,7 @@ def test_a_run_that_never_stops_is_cached_for_its_stop_as_a_copy(tiny_classifica
 
     scripted_top1(monkeypatch, 30.0, 50.0)  # after 20 iterations, then after 21
     source = os.path.dirname(cached_backbone(cfg()))
-    same_run_stop = pretraining_train.same_run_stop
+    same_run_stop = pretraining_cache.same_run_stop
     assert same_run_stop(cfg("PRETRAIN.STOP_TOP1", 25.0)) is None  # it stops after 20, where no model was kept
     assert same_run_stop(cfg("PRETRAIN.STOP_TOP1", 35.0, "PRETRAIN.EVAL_PERIOD", 10)) is None  # not evaluated at 10
     assert same_run_stop(cfg("PRETRAIN.STOP_TOP1", 35.0, "SEED", 2)) is None  # another run, not cached
@@ -253,11 +256,11 @@ def test_a_run_stopped_at_a_top1_is_made_from_the_model_its_whole_run_kept_there
     source = os.path.dirname(cached_backbone(cfg("PRETRAIN.KEEP_EVALUATED_MODELS", True), work_dir=str(tmp_path / "work")))
     kept = sorted(os.listdir(os.path.join(source, "evaluated")))
     assert kept == ["model_after_0000020.pth", "model_after_0000040.pth"]
-    assert pretraining_train.is_cached(cfg())  # the same backbone, whether its models were kept or not
+    assert pretraining_cache.is_cached(cfg())  # the same backbone, whether its models were kept or not
 
     stop = cfg("PRETRAIN.STOP_TOP1", 50.0)
-    assert pretraining_train.same_run_stop(stop) == (source, 40)
-    assert pretraining_train.same_run_stop(cfg("PRETRAIN.STOP_TOP1", 50.0, "MODEL.DEVICE", "cuda")) is None
+    assert pretraining_cache.same_run_stop(stop) == (source, 40)
+    assert pretraining_cache.same_run_stop(cfg("PRETRAIN.STOP_TOP1", 50.0, "MODEL.DEVICE", "cuda")) is None
     steps = []
 
     class RecordingTrainer(trainers.SimpleTrainer):
@@ -286,7 +289,7 @@ def test_a_run_stopped_at_a_top1_is_made_from_the_model_its_whole_run_kept_there
     ignored = ("train_seconds", "same_run_as")
     assert {k: v for k, v in results.items() if k not in ignored} == {
         k: v for k, v in json.loads(json.dumps(trained)).items() if k not in ignored}  # fmt: skip
-    curve = pretraining_train.top1_curve
+    curve = top1_curve
     assert curve(os.path.join(made, "metrics.json"), 40) == curve(tmp_path / "trained" / "metrics.json", 40) == [
         (20, 40.0), (40, 80.0)]  # fmt: skip
     first, second = (backbone_tensors(path) for path in (os.path.join(made, BACKBONE_FILE),
@@ -303,11 +306,11 @@ def test_a_run_stopped_at_a_top1_is_made_from_the_model_its_whole_run_kept_there
         manifest = json.load(f)
     with open(os.path.join(source, data_cache.MANIFEST), "w") as f:
         json.dump(dict(manifest, files=data_cache._list_files(source)), f)
-    assert pretraining_train.is_cached(cfg()) and pretraining_train.same_run_stop(stop) is None
+    assert pretraining_cache.is_cached(cfg()) and pretraining_cache.same_run_stop(stop) is None
 
 
 def test_the_cache_key_holds_a_top1_stop_and_its_evaluation_period_only_when_set(tiny_classification_set, tmp_path):
-    key = pretraining_train.cache_key
+    key = pretraining_cache.cache_key
     plain = key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.EVAL_PERIOD", 2))
     assert "STOP_TOP1" not in plain["pretrain"] and "EVAL_PERIOD" not in plain["pretrain"]  # backbones made before
     assert key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.EVAL_PERIOD", 0)) == plain
@@ -381,8 +384,8 @@ def test_a_split_without_images_is_refused(tmp_path):
 def test_the_cached_backbone_is_made_once(tiny_classification_set, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
     calls = []
-    original = pretraining_train.pretrain
-    monkeypatch.setattr(pretraining_train, "pretrain", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    original = pretraining_cache.pretrain
+    monkeypatch.setattr(pretraining_cache, "pretrain", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
     cfg = tiny_cfg(tiny_classification_set, tmp_path / "unused", "PRETRAIN.MAX_ITER", "2")
     logger = logging.getLogger(pretraining_train.__name__)  # detectron2's setup_logger may stop propagation
     monkeypatch.setattr(logger, "handlers", [*logger.handlers, caplog.handler])
