@@ -3,7 +3,6 @@ shared machine hits every candidate alike, and ratios with their spread over the
 and per-norm configs of the tools that time a model per norm."""
 
 import argparse
-import math
 import statistics
 import time
 
@@ -56,15 +55,6 @@ def ratio_to(times, reference):
 def range_text(ratio_range) -> str:
     """A ratio range as the tables print it: ``low-high``."""
     return "{:.2f}-{:.2f}".format(*ratio_range)
-
-
-def format_duration(seconds: float) -> str:
-    """A wall time as a person reads it: seconds, minutes, or hours from 1.5 h on; NaN is "unknown"."""
-    if math.isnan(seconds):
-        return "unknown"
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
 
 
 def norm_benchmark_parser(description: str, config_file: str, norms: str, reference: str, rounds: int):

@@ -12,6 +12,7 @@ decides when to use them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
@@ -48,6 +49,12 @@ def top1_curve(metrics_path: str, max_iter: int) -> list[tuple[int, float]]:
     by_iteration = {row["iteration"]: row["val_top1"] for row in rows if "val_top1" in row}
     trained = {(it if it >= max_iter else it + 1): top1 for it, top1 in sorted(by_iteration.items())}
     return sorted(trained.items())
+
+
+def reached_stop(results: dict) -> bool:
+    """Whether a backbone pretrained with PRETRAIN.STOP_TOP1 X reached X, by its results file: at a periodic
+    evaluation (it stopped there) or at the final one, after its whole schedule."""
+    return results.get("stop_top1_reached", False) or results["val_top1"] >= results.get("stop_top1", math.inf)
 
 
 def stop_in_run(cfg: CfgNode, source: str) -> tuple[str, int | None] | None:
