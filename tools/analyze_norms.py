@@ -8,7 +8,7 @@ gates, per component (stem, res2-res5, FPN, RPN, box head, mask head), as markdo
 With a config, the weights are MODEL.WEIGHTS if given, else the last checkpoint in its OUTPUT_DIR.
 """
 
-from sn_detection.engine.analyze import main
+from sn_detection.analysis.cli import main
 
 if __name__ == "__main__":
     main()

@@ -4,10 +4,10 @@ the compiled kernels, side by side.
 
     tools/benchmark_launch.py [--norms SN,DN] [--shape 2,256,6,6] [--rounds 15] [--json launch.json]
 
-See sn_detection/engine/benchmark_launch.py.
+See sn_detection/benchmarks/launch_paths.py.
 """
 
-from sn_detection.engine.benchmark_launch import main
+from sn_detection.benchmarks.launch_paths import main
 
 if __name__ == "__main__":
     main()

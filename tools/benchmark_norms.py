@@ -3,10 +3,10 @@
 
     tools/benchmark_norms.py [--shapes small] [--repeats 5] [--threads N] [--device cuda] [--amp] [--json results.json]
 
-Shapes, memory and ratios: sn_detection/engine/benchmark_norms.py.
+Shapes, memory and ratios: sn_detection/benchmarks/norms.py.
 """
 
-from sn_detection.engine.benchmark_norms import main
+from sn_detection.benchmarks.norms import main
 
 if __name__ == "__main__":
     main()

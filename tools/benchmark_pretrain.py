@@ -6,10 +6,10 @@ hours an ImageNet epoch would take at that speed.
         [--devices 8] [--classes 1000] [--epoch-images 1281167] [--data FOLDER] [--rounds 5] [--threads N]
         [--json PATH] [KEY VALUE ...]
 
-What is timed and what is not: sn_detection/engine/benchmark_pretrain.py.
+What is timed and what is not: sn_detection/benchmarks/pretrain.py.
 """
 
-from sn_detection.engine.benchmark_pretrain import main
+from sn_detection.benchmarks.pretrain import main
 
 if __name__ == "__main__":
     main()

@@ -5,10 +5,10 @@
                              [--graphed-backbone] [--config-file configs/demo_mask_rcnn_gn.yaml] [KEY VALUE ...]
     tools/benchmark_train.py --config-file configs/lazy/mask_rcnn_sn_lsj_100ep.py [...] [key=value ...]
 
-What is timed and how: sn_detection/engine/benchmark_train.py.
+What is timed and how: sn_detection/benchmarks/train.py.
 """
 
-from sn_detection.engine.benchmark_train import main
+from sn_detection.benchmarks.train import main
 
 if __name__ == "__main__":
     main()

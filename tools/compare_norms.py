@@ -5,12 +5,12 @@ mask AP, and write a table (mean ± std over seeds), a CSV and plots. Resumable:
     tools/compare_norms.py [--settings BN GN SN DN MGN SN/GN GN/SN] [--seeds 1 2 3] [--iters N] \
         [--output-dir output/compare_norms] [--publish model_zoo/sections/NAME.md] [--report-only] [KEY VALUE ...]
 
-See sn_detection/engine/compare_norms.py for the choices made.
+See sn_detection/experiments/compare_norms for the choices made.
 """
 
 import sys
 
-from sn_detection.engine.compare_norms import main
+from sn_detection.experiments.compare_norms.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

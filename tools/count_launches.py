@@ -5,10 +5,10 @@ gradients set to None first) and inference forward, next to torch's GroupNorm an
     tools/count_launches.py [--device cuda] [--json counts.json]
     TRITON_INTERPRET=1 $(tools/setup_kernel_env.sh) tools/count_launches.py   # the GPU's path, on the CPU
 
-See sn_detection/engine/count_launches.py.
+See sn_detection/benchmarks/launch_counts.py.
 """
 
-from sn_detection.engine.count_launches import main
+from sn_detection.benchmarks.launch_counts import main
 
 if __name__ == "__main__":
     main()

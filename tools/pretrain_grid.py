@@ -7,12 +7,12 @@ into the backbone cache that tools/compare_norms.py --finetune reads; re-running
     tools/compare_norms.py --finetune --backbones output/pretrain_grid/best.json    # each norm's best
     tools/compare_norms.py --finetune --backbones model_zoo/sections/1_pretrain_grid.best.json  # as published
 
-See sn_detection/engine/pretrain_grid.py.
+See sn_detection/experiments/pretrain_grid.
 """
 
 import sys
 
-from sn_detection.engine.pretrain_grid import main
+from sn_detection.experiments.pretrain_grid.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

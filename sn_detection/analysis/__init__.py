@@ -3,8 +3,8 @@
 Pure PyTorch and matplotlib, no detectron2: ``choices`` reads SN / DN layers from a model or a state
 dict, ``gates`` observes MN / MGN gates on inputs, ``summary`` averages per network component,
 ``report`` and ``plots`` write markdown, CSV and PNG. The detectron2 side (which module names form
-which component, the training hook, the command-line tool) is in ``sn_detection.d2`` and
-``sn_detection.engine``.
+which component, the training hook) is in ``sn_detection.d2``. The command line of
+``tools/analyze_norms.py`` (``cli``) loads a trained model with detectron2; nothing here imports it.
 """
 
 from .choices import (

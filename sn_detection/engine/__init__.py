@@ -1,8 +1,10 @@
-"""The training entry point used by tools/train_net.py (thin over detectron2's DefaultTrainer), and the
-logic of the other tools, a module each.
+"""Training and evaluation as detectron2's ``engine`` means them: the trainer (``trainer``, thin over
+DefaultTrainer, and ``resume``), the processes (``launch``), the entry points of tools/train_net.py and
+tools/lazyconfig_train_net.py (``train_net``, ``lazy``), a trained model loaded back (``trained``) and drawn
+(``demo``), and the command-line types every tool shares (``arguments``).
 
-The package's names below are imported from their modules when first asked for: the tools that need no
-detectron2 (``count_launches``) run where it is not installed, as in the kernel-test environment.
+The package's names below are imported from their modules when first asked for: ``arguments`` serves tools
+that run where detectron2 is not installed (``tools/count_launches.py``, in the kernel-test environment).
 """
 
 import importlib

@@ -1,9 +1,10 @@
 """Image-classification pretraining of the ResNet of a detection config (``tools/pretrain_backbone.py``):
 its config keys (``config``), the data (``data``), the network and the backbone checkpoint it leaves
-(``model``), the training (``train``), and the cached backbone of the demo.
+(``model``), the training (``train``), the backbone cache (``cache``, with ``top1_stop``), and the command
+line of ``tools/pretrain_backbone.py`` (``cli``).
 
 ``config`` depends only on ``sn_detection.layers`` and is what ``sn_detection.d2.add_sn_config`` calls,
-while ``model`` and ``train`` build on ``sn_detection.d2``; so the package's names below are imported from
+while the others build on ``sn_detection.d2``; so the package's names below are imported from
 their modules when first asked for, not when the package is (which would import ``d2`` from within it).
 """
 
@@ -13,8 +14,8 @@ _MODULE_OF = {
     "BackboneClassifier": "model",
     "backbone_state": "model",
     "input_convention": "model",
-    "cached_backbone": "train",
-    "cached_backbone_path": "train",
+    "cached_backbone": "cache",
+    "cached_backbone_path": "cache",
     "pretrain": "train",
     "report": "train",
 }

@@ -24,22 +24,16 @@ Outputs in PRETRAIN.OUTPUT_DIR: ``backbone.pth`` (the backbone checkpoint, ``mod
 optimizer, schedule and iteration, and the data stream restarts at the next unread sample with the same
 crops and flips (``data``), so a resumed run trains as an uninterrupted one.
 
-``cached_backbone(cfg)`` pretrains once into a cache folder keyed by everything that determines the
-backbone (the ResNet and norm settings, the input convention, PRETRAIN, SEED), verified by its manifest
-on every use like the datasets (``sn_detection.data.cache``): the demo's backbone, and the finetuning
-sweep's. The folders are in ``$SN_DETECTION_PRETRAINED``, by default ``~/.cache/sn_detection/pretrained``.
-A run with PRETRAIN.KEEP_EVALUATED_MODELS keeps its model at each periodic evaluation there too
-(``evaluated/``): a run stopped at a top-1 is the same run cut short, so it is made from the kept model
-of the evaluation where it would stop, by the batch average alone.
+A run with PRETRAIN.KEEP_EVALUATED_MODELS keeps its model at each periodic evaluation (``evaluated/``), from
+which ``stop_at_evaluation`` makes what a run stopped at a top-1 there ends with (``top1_stop``). The backbone
+cache (``cache``) calls ``pretrain``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 
 import torch
@@ -60,7 +54,6 @@ from ..d2.checkpointer import CheckedCheckpointer, check_resumed_iteration
 from ..d2.hooks import batch_average_hook
 from ..d2.optimizer import get_optimizer_params
 from ..d2.trainers import share_first_process_buffers, step_trainer
-from ..data.cache import ensure_folder, is_intact
 from .data import ClassificationImages, SeededStream, collate, data_folder, shard
 from .graphed_step import GraphedAMPTrainer, GraphedTrainer
 from .model import BackboneClassifier, backbone_state, input_convention, pretrained_norm
@@ -73,8 +66,6 @@ METRICS_FILE = "metrics.json"
 EVALUATED_FOLDER = "evaluated"  # the model at each periodic evaluation (PRETRAIN.KEEP_EVALUATED_MODELS)
 LOG_PERIOD = 20
 WARMUP_FACTOR = 0.001
-# Bump when pretraining changes what it produces, so that cached backbones are made again.
-RECIPE_VERSION = 1
 
 
 def per_process_batch(cfg: CfgNode) -> int:
@@ -391,170 +382,3 @@ def report(folder: str) -> None:
         "with MODEL.WEIGHTS %s and this input convention: %s",
         results["depth"], results["norm"], results["val_top1"], path, path, " ".join(map(str, overrides)),
     )  # fmt: skip
-
-
-DEFAULT_PRETRAINED_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "sn_detection", "pretrained")
-
-
-def pretrained_root() -> str:
-    """Where cached backbones are kept: ``$SN_DETECTION_PRETRAINED``, else ``DEFAULT_PRETRAINED_ROOT``; as an
-    absolute path, since the backbone paths made from it are recorded and compared by runs started from
-    other working directories."""
-    return os.path.abspath(os.environ.get("SN_DETECTION_PRETRAINED", DEFAULT_PRETRAINED_ROOT))
-
-
-def cache_key(cfg: CfgNode) -> dict:
-    """Everything that determines the pretrained backbone (module docstring)."""
-    # where and how a run is made, not what it makes (CUDA_GRAPH: the same training, to float32 rounding)
-    unkeyed = ("OUTPUT_DIR", "NUM_WORKERS", "EVAL_PERIOD", "CHECKPOINT_PERIOD", "KEEP_EVALUATED_MODELS", "CUDA_GRAPH")
-    pretrain = {k: v for k, v in cfg.PRETRAIN.items() if k not in unkeyed}
-    if trained_iterations(cfg) == cfg.PRETRAIN.MAX_ITER:  # the whole schedule, however it is written
-        del pretrain["STOP_ITER"]
-    if cfg.PRETRAIN.STOP_TOP1:  # where it stops depends on when it is evaluated
-        pretrain["EVAL_PERIOD"] = cfg.PRETRAIN.EVAL_PERIOD
-    else:  # the key that STOP_TOP1 0 leaves out is that of every backbone made before it existed
-        del pretrain["STOP_TOP1"]
-    return {
-        "recipe": RECIPE_VERSION,
-        "resnets": dict(cfg.MODEL.RESNETS, NORM=pretrained_norm(cfg)),  # FrozenBN's backbone is BN's
-        "sn": dict(cfg.MODEL.SN),
-        "input": input_convention(cfg)._asdict(),
-        "pretrain": pretrain,
-        "seed": cfg.SEED,
-    }
-
-
-def _cache_entry(cfg: CfgNode) -> tuple[str, dict]:
-    """The folder of ``cfg``'s cached backbone and the key its manifest holds."""
-    key = json.loads(json.dumps(cache_key(cfg), default=list))
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    name = f"resnet{cfg.MODEL.RESNETS.DEPTH}-{pretrained_norm(cfg)}-{digest}"
-    return os.path.join(pretrained_root(), name), key
-
-
-def cached_backbone_path(cfg: CfgNode) -> str:
-    """Where ``cached_backbone(cfg)`` keeps the backbone, made or not: a sweep plans with it before
-    pretraining anything."""
-    return os.path.join(_cache_entry(cfg)[0], BACKBONE_FILE)
-
-
-def cached_backbone_folder(cfg: CfgNode) -> str:
-    """The cache folder of ``cfg``'s backbone, made or not; its name holds the digest of the cache key."""
-    return _cache_entry(cfg)[0]
-
-
-def is_cached(cfg: CfgNode) -> bool:
-    """Whether ``cfg``'s backbone is in the cache, complete and verified by its manifest."""
-    folder, key = _cache_entry(cfg)
-    return is_intact(folder, key)
-
-
-def top1_curve(metrics_path: str, max_iter: int) -> list[tuple[int, float]]:
-    """(iterations trained, val top-1) of each evaluation in metrics.json. detectron2 logs a periodic
-    evaluation at the index of the iteration it follows (so after index + 1 iterations) and the final one
-    at ``max_iter`` (the iterations trained) or its index; a resumed run appends, so an evaluation logged
-    twice keeps its latest value, and so does the final one over a periodic one after the same iterations
-    (PRETRAIN.STOP_TOP1's stop: the final one is after the batch average)."""
-    if not os.path.isfile(metrics_path):
-        return []
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    by_iteration = {row["iteration"]: row["val_top1"] for row in rows if "val_top1" in row}
-    trained = {(it if it >= max_iter else it + 1): top1 for it, top1 in sorted(by_iteration.items())}
-    return sorted(trained.items())
-
-
-def same_run_stop(cfg: CfgNode) -> tuple[str, int | None] | None:
-    """Where ``cfg`` has PRETRAIN.STOP_TOP1 X and the same run without the stop is cached, evaluated at each
-    of cfg's PRETRAIN.EVAL_PERIOD before its end: (that run's cache folder, the iterations after which it
-    first reached X there, or None where it never did before its end, so that ``cfg`` trains that same
-    run to the same end). None where that is not known, or where the run reached X at an evaluation whose
-    model it did not keep (PRETRAIN.KEEP_EVALUATED_MODELS), or where the run was trained by several
-    processes (``stop_at_evaluation`` is one) or on another device than cfg's MODEL.DEVICE: then ``cfg``
-    must be trained."""
-    target, period = cfg.PRETRAIN.STOP_TOP1, cfg.PRETRAIN.EVAL_PERIOD
-    if not target:
-        return None
-    source_cfg = cfg.clone()
-    source_cfg.defrost()
-    source_cfg.PRETRAIN.STOP_TOP1 = 0.0
-    if not is_cached(source_cfg):
-        return None
-    source, end = cached_backbone_folder(source_cfg), trained_iterations(source_cfg)
-    with open(os.path.join(source, RESULTS_FILE)) as f:
-        results = json.load(f)
-    if results["processes"] != 1:  # its batch average was over each process's share of a batch
-        return None
-    curve = dict(top1_curve(os.path.join(source, METRICS_FILE), end))
-    for done in range(period, end, period):
-        if done not in curve:
-            return None
-        if curve[done] >= target:
-            kept = os.path.isfile(evaluated_model_path(source, done))
-            made_alike = results.get("device") == cfg.MODEL.DEVICE and "threads" in results
-            return (source, done) if kept and made_alike else None
-    return source, None
-
-
-def _from_same_run(cfg: CfgNode, source: str, stop: int | None, folder: str) -> None:
-    """Make ``cfg``'s cache entry in ``folder`` from ``same_run_stop``'s run in ``source``: a copy where it
-    did not stop, else ``stop_at_evaluation`` of its model after ``stop`` iterations, on its threads, with
-    its metrics.json rows up to there (the trained stopped run's top-1 curve). results.json says whose run
-    it is (``same_run_as``)."""
-    with open(os.path.join(source, METRICS_FILE)) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    with open(os.path.join(source, RESULTS_FILE)) as f:
-        source_results = json.load(f)
-    if stop is None:
-        shutil.copy2(os.path.join(source, BACKBONE_FILE), os.path.join(folder, BACKBONE_FILE))
-        results = dict(source_results, stop_top1=cfg.PRETRAIN.STOP_TOP1, stop_top1_reached=False)
-    else:  # the periodic rows up to the stop, then the final evaluation's, where ``pretrain`` logs it
-        rows = [row for row in rows if row["iteration"] < stop]
-        results = stop_at_evaluation(cfg, evaluated_model_path(source, stop), folder, source_results["threads"])
-        rows.append({"iteration": stop, "val_top1": results["val_top1"]})
-    results["same_run_as"] = source
-    with open(os.path.join(folder, RESULTS_FILE), "w") as f:
-        json.dump(results, f, indent=2)
-    with open(os.path.join(folder, METRICS_FILE), "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-
-
-def cached_backbone(cfg: CfgNode, work_dir: str | None = None) -> str:
-    """The backbone checkpoint of ``cfg``'s pretraining, made on first use in this process (progress in
-    the log) and reused, verified, afterwards; a half-made one is never reused.
-
-    Without ``work_dir`` it is pretrained from the start in a temporary folder. With ``work_dir`` (a stable
-    folder of the caller's, for one cache key only) it is pretrained there with ``resume``: a run killed
-    mid-way continues from its last checkpoint (PRETRAIN.CHECKPOINT_PERIOD) the next time; once finished
-    its outputs move into the cache folder, which is renamed into place whole, and ``work_dir`` is removed.
-
-    A config with PRETRAIN.STOP_TOP1 whose run without the stop is cached and tells where it would stop
-    (``same_run_stop``) is made from that run instead, without training: a copy, or the batch average of the
-    model it kept at that evaluation."""
-    folder, key = _cache_entry(cfg)
-
-    def make(target: str) -> None:
-        same_run = same_run_stop(cfg)
-        if same_run is not None:
-            logger.info("%s: the run of %s stopped after %s iterations, made from it without training",
-                        os.path.basename(folder), same_run[0], same_run[1] or "all its")  # fmt: skip
-            _from_same_run(cfg, *same_run, target)
-            return
-        work = work_dir or os.path.join(target, "training")
-        pretrain(cfg, resume=work_dir is not None, output_dir=work)
-        for kept in (BACKBONE_FILE, RESULTS_FILE, METRICS_FILE):
-            shutil.move(os.path.join(work, kept), os.path.join(target, kept))
-        evaluated = os.path.join(work, EVALUATED_FOLDER)
-        if keeps_evaluated_models(cfg) and os.path.isdir(evaluated):  # whole files only (save_evaluated_model)
-            os.makedirs(os.path.join(target, EVALUATED_FOLDER))
-            for name in os.listdir(evaluated):
-                if name.endswith(".pth"):
-                    shutil.move(os.path.join(evaluated, name), os.path.join(target, EVALUATED_FOLDER, name))
-        if work_dir is None:
-            shutil.rmtree(work)
-
-    folder = ensure_folder(folder, key, make)
-    if work_dir is not None:
-        shutil.rmtree(work_dir, ignore_errors=True)  # its checkpoints: the backbone is in the cache now
-    report(folder)
-    return os.path.join(folder, BACKBONE_FILE)

@@ -16,7 +16,8 @@ from detectron2.data.datasets import register_coco_instances
 from detectron2.structures import Boxes, BoxMode, Instances
 from PIL import Image
 
-from sn_detection.engine import analyze, demo
+from sn_detection.analysis import cli as analyze
+from sn_detection.engine import demo
 from sn_detection.layers import DynamicNorm2d, ModeGroupNorm2d, SwitchableNorm2d
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

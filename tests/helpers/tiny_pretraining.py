@@ -1,13 +1,16 @@
 """The config of the pretraining tests: the R18-FPN Mask R-CNN of configs/demo_compare_norms.yaml with
 SN, pretrained a few iterations on a tiny classification set at 32 px; the PRETRAIN keys of the tools'
-tiny pretrainings; and a pretraining killed mid-way, as a killed job leaves it."""
+tiny pretrainings; a pretraining killed mid-way, as a killed job leaves it; evaluations of a scripted top-1;
+a backbone file's tensors."""
 
 import os
 
 import pytest
+import torch
 from detectron2.config import get_cfg
 
 from sn_detection.d2 import add_sn_config, trainers
+from sn_detection.pretraining import train as pretraining_train
 from sn_detection.pretraining.train import pretrain
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,3 +63,23 @@ def tiny_cfg(data, output_dir, *opts):
     cfg.merge_from_file(CONFIG)
     cfg.merge_from_list(tiny_pretraining(data, output_dir, *opts))
     return cfg
+
+
+def scripted_top1(monkeypatch, *values):
+    """Evaluations return ``values`` in turn (then the last again): where a run stops by its top-1 is the
+    logic under test, not what a few tiny iterations learn. Returns the list of calls' results."""
+    calls = []
+
+    def top1(cfg, model, images):
+        value = values[min(len(calls), len(values) - 1)]
+        if isinstance(value, type) and issubclass(value, BaseException):
+            raise value
+        calls.append(value)
+        return value
+
+    monkeypatch.setattr(pretraining_train, "top1", top1)
+    return calls
+
+
+def backbone_tensors(path):
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]

@@ -14,11 +14,12 @@ from gloo_processes import run_processes
 from tiny_pretraining import CONFIG, tiny_cfg
 from torch import nn
 
+from sn_detection.benchmarks import pretrain as benchmark_pretrain
 from sn_detection.d2 import add_sn_config, step_trainer, validate_sn_config
-from sn_detection.engine import benchmark_pretrain
+from sn_detection.pretraining.cache import cache_key
 from sn_detection.pretraining.config import validate_pretrain_config
 from sn_detection.pretraining.graphed_step import GraphedAMPTrainer, GraphedTrainer
-from sn_detection.pretraining.train import _splits, cache_key, pretrain, train_loader
+from sn_detection.pretraining.train import _splits, pretrain, train_loader
 
 GRAPHED = (GraphedTrainer, GraphedAMPTrainer)
 OFF_CUDA = ("PRETRAIN.CUDA_GRAPH=True captures the training step in a CUDA graph, which needs MODEL.DEVICE cuda, "

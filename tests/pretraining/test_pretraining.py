@@ -1,10 +1,10 @@
 """Pretraining the ResNet of a detection config: the backbone it leaves loads into that config with no
 missing or unexpected backbone key and computes the classifier trunk's features; a resumed run equals an
 uninterrupted one; two processes with SyncSN equal one with the concatenated batch; any ImageFolder is
-read; the demo's cached backbone is made once and reused."""
+read; a run stopped at a top-1 is the run cut short there (the cache and the stopped runs made from cached ones:
+test_cache.py, test_top1_stop.py)."""
 
 import json
-import logging
 import os
 import re
 import subprocess
@@ -15,21 +15,16 @@ import torch
 from detectron2.checkpoint import DetectionCheckpointer
 from detectron2.modeling import build_model
 from PIL import Image
-from tiny_pretraining import REPO, pretrain_killed_at, tiny_cfg, tiny_pretraining
+from tiny_pretraining import REPO, backbone_tensors, pretrain_killed_at, scripted_top1, tiny_cfg, tiny_pretraining
 
 from sn_detection.d2 import trainers
-from sn_detection.data import cache as data_cache
-from sn_detection.engine import pretrain_backbone
-from sn_detection.pretraining import train as pretraining_train
+from sn_detection.pretraining import cache as pretraining_cache
+from sn_detection.pretraining import cli as pretrain_backbone
 from sn_detection.pretraining.model import BackboneClassifier, backbone_cfg, pretrained_norm
-from sn_detection.pretraining.train import BACKBONE_FILE, RESULTS_FILE, cached_backbone, pretrain
+from sn_detection.pretraining.train import BACKBONE_FILE, RESULTS_FILE, pretrain
 
 # small models on a shared CPU, and bit-exact reductions for the resume test (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def backbone_tensors(path):
-    return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
 class RecordingCheckpointer(DetectionCheckpointer):
@@ -110,28 +105,12 @@ def test_a_stopped_pretraining_is_the_beginning_of_the_whole_run(tiny_classifica
     short = torch.load(tmp_path / "short" / "model_0000001.pth", map_location="cpu", weights_only=False)
     assert [group["lr"] for group in short["trainer"]["optimizer"]["param_groups"]] != learning_rates[0]
 
-    key = pretraining_train.cache_key
+    key = pretraining_cache.cache_key
     whole_key = key(tiny_cfg(tiny_classification_set, tmp_path))
     assert key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.STOP_ITER", 4)) == whole_key
     assert key(stopped_cfg) != whole_key
     with pytest.raises(ValueError, match="is at iteration 1, past PRETRAIN.STOP_ITER=1: raise PRETRAIN.STOP_ITER"):
         pretrain(tiny_cfg(tiny_classification_set, tmp_path / "stopped", "PRETRAIN.STOP_ITER", 1), resume=True)
-
-
-def scripted_top1(monkeypatch, *values):
-    """Evaluations return ``values`` in turn (then the last again): where a run stops by its top-1 is the
-    logic under test, not what a few tiny iterations learn. Returns the list of calls' results."""
-    calls = []
-
-    def top1(cfg, model, images):
-        value = values[min(len(calls), len(values) - 1)]
-        if isinstance(value, type) and issubclass(value, BaseException):
-            raise value
-        calls.append(value)
-        return value
-
-    monkeypatch.setattr(pretraining_train, "top1", top1)
-    return calls
 
 
 def evaluations(output_dir):
@@ -203,119 +182,6 @@ def test_a_pretraining_stopped_at_a_top1_and_killed_after_its_last_checkpoint_re
     assert all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(second[k])) for k in first)
 
 
-def test_a_run_that_never_stops_is_cached_for_its_stop_as_a_copy(tiny_classification_set, tmp_path, monkeypatch):
-    """A config with PRETRAIN.STOP_TOP1 X whose run is a cached one's, none of whose evaluations at its
-    EVAL_PERIOD reached X, gets a copy of that backbone (the one it would train) without training; where
-    the cached run does not tell where it would stop, it trains."""
-    monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
-    run = ("PRETRAIN.MAX_ITER", 21, "PRETRAIN.EVAL_PERIOD", 20, "PRETRAIN.CHECKPOINT_PERIOD", 100)
-
-    def cfg(*opts):
-        return tiny_cfg(tiny_classification_set, tmp_path / "out", *run, *opts)
-
-    scripted_top1(monkeypatch, 30.0, 50.0)  # after 20 iterations, then after 21
-    source = os.path.dirname(cached_backbone(cfg()))
-    same_run_stop = pretraining_train.same_run_stop
-    assert same_run_stop(cfg("PRETRAIN.STOP_TOP1", 25.0)) is None  # it stops after 20, where no model was kept
-    assert same_run_stop(cfg("PRETRAIN.STOP_TOP1", 35.0, "PRETRAIN.EVAL_PERIOD", 10)) is None  # not evaluated at 10
-    assert same_run_stop(cfg("PRETRAIN.STOP_TOP1", 35.0, "SEED", 2)) is None  # another run, not cached
-    assert same_run_stop(cfg("PRETRAIN.STOP_TOP1", 35.0)) == (source, None)
-    copied = cached_backbone(cfg("PRETRAIN.STOP_TOP1", 35.0))
-    with open(os.path.join(os.path.dirname(copied), RESULTS_FILE)) as f:
-        results = json.load(f)
-    assert results["stop_top1"] == 35.0 and not results["stop_top1_reached"] and results["iterations"] == 21
-    assert results["same_run_as"] == source
-
-    scripted_top1(monkeypatch, 30.0, 50.0)
-    trained = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "trained", *run, "PRETRAIN.STOP_TOP1", 35.0))
-    assert trained["iterations"] == 21 and not trained["stop_top1_reached"] and trained["val_top1"] == results["val_top1"]
-    first, second = (backbone_tensors(path) for path in (copied, tmp_path / "trained" / BACKBONE_FILE))
-    assert all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(second[k])) for k in first)
-
-
-def test_a_run_stopped_at_a_top1_is_made_from_the_model_its_whole_run_kept_there(
-    tiny_classification_set, tmp_path, monkeypatch
-):
-    """PRETRAIN.KEEP_EVALUATED_MODELS keeps the model at each periodic evaluation in the cache; a config with
-    PRETRAIN.STOP_TOP1 X is then made from the model of the first evaluation that reached X by the batch
-    average and the final evaluation alone: the trained stopped run's backbone, results and top-1 curve,
-    without a training step."""
-    monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
-    run = ("PRETRAIN.MAX_ITER", 41, "PRETRAIN.EVAL_PERIOD", 20, "PRETRAIN.CHECKPOINT_PERIOD", 100)
-
-    def cfg(*opts):
-        return tiny_cfg(tiny_classification_set, tmp_path / "out", *run, *opts)
-
-    scripted_top1(monkeypatch, 40.0, 60.0, 70.0)  # after 20 and 40 iterations, then after 41
-    stale = tmp_path / "work" / "evaluated" / "model_after_0000060.pth.tmp"  # a partial write of another attempt
-    stale.parent.mkdir(parents=True)
-    stale.write_bytes(b"partial")
-    source = os.path.dirname(cached_backbone(cfg("PRETRAIN.KEEP_EVALUATED_MODELS", True), work_dir=str(tmp_path / "work")))
-    kept = sorted(os.listdir(os.path.join(source, "evaluated")))
-    assert kept == ["model_after_0000020.pth", "model_after_0000040.pth"]
-    assert pretraining_train.is_cached(cfg())  # the same backbone, whether its models were kept or not
-
-    stop = cfg("PRETRAIN.STOP_TOP1", 50.0)
-    assert pretraining_train.same_run_stop(stop) == (source, 40)
-    assert pretraining_train.same_run_stop(cfg("PRETRAIN.STOP_TOP1", 50.0, "MODEL.DEVICE", "cuda")) is None
-    steps = []
-
-    class RecordingTrainer(trainers.SimpleTrainer):
-        def run_step(self):
-            steps.append(self.iter)
-            super().run_step()
-
-    calls = scripted_top1(monkeypatch, 80.0)
-    with monkeypatch.context() as patch:
-        patch.setattr(trainers, "SimpleTrainer", RecordingTrainer)
-        torch.set_num_threads(2)  # the batch average runs on the source's thread count, then this one is back
-        made = os.path.dirname(cached_backbone(stop))
-        assert torch.get_num_threads() == 2
-        torch.set_num_threads(1)
-    assert steps == [] and calls == [80.0]  # the final evaluation only
-    with open(os.path.join(made, RESULTS_FILE)) as f:
-        results = json.load(f)
-    assert results["same_run_as"] == source and results["threads"] == 1
-    assert not os.path.exists(os.path.join(made, "evaluated"))
-
-    scripted_top1(monkeypatch, 40.0, 60.0, 80.0)
-    trained = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "trained", *run, "PRETRAIN.STOP_TOP1", 50.0,
-                                "PRETRAIN.KEEP_EVALUATED_MODELS", True))  # fmt: skip
-    assert trained["iterations"] == 40 and trained["stop_top1_reached"]
-    assert not (tmp_path / "trained" / "evaluated").exists()  # a stopped run is no source: it keeps nothing
-    ignored = ("train_seconds", "same_run_as")
-    assert {k: v for k, v in results.items() if k not in ignored} == {
-        k: v for k, v in json.loads(json.dumps(trained)).items() if k not in ignored}  # fmt: skip
-    curve = pretraining_train.top1_curve
-    assert curve(os.path.join(made, "metrics.json"), 40) == curve(tmp_path / "trained" / "metrics.json", 40) == [
-        (20, 40.0), (40, 80.0)]  # fmt: skip
-    first, second = (backbone_tensors(path) for path in (os.path.join(made, BACKBONE_FILE),
-                                                          tmp_path / "trained" / BACKBONE_FILE))  # fmt: skip
-    assert first.keys() == second.keys()
-    assert all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(second[k])) for k in first)
-
-    # a run of several processes batch-averaged each one's share of a batch: a stop is trained, not made
-    with open(os.path.join(source, RESULTS_FILE)) as f:
-        source_results = json.load(f)
-    with open(os.path.join(source, RESULTS_FILE), "w") as f:
-        json.dump(dict(source_results, processes=2), f)
-    with open(os.path.join(source, data_cache.MANIFEST)) as f:
-        manifest = json.load(f)
-    with open(os.path.join(source, data_cache.MANIFEST), "w") as f:
-        json.dump(dict(manifest, files=data_cache._list_files(source)), f)
-    assert pretraining_train.is_cached(cfg()) and pretraining_train.same_run_stop(stop) is None
-
-
-def test_the_cache_key_holds_a_top1_stop_and_its_evaluation_period_only_when_set(tiny_classification_set, tmp_path):
-    key = pretraining_train.cache_key
-    plain = key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.EVAL_PERIOD", 2))
-    assert "STOP_TOP1" not in plain["pretrain"] and "EVAL_PERIOD" not in plain["pretrain"]  # backbones made before
-    assert key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.EVAL_PERIOD", 0)) == plain
-    stopped = key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.EVAL_PERIOD", 2, "PRETRAIN.STOP_TOP1", 50.0))
-    assert stopped["pretrain"]["STOP_TOP1"] == 50 and stopped["pretrain"]["EVAL_PERIOD"] == 2
-    assert key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.EVAL_PERIOD", 4, "PRETRAIN.STOP_TOP1", 50.0)) != stopped
-
-
 def run_tool(*args, succeeds=True, env=None):
     result = subprocess.run(
         [sys.executable, os.path.join(REPO, "tools", "pretrain_backbone.py"), "--config-file",
@@ -376,29 +242,6 @@ def test_a_split_without_images_is_refused(tmp_path):
         (tmp_path / split / "n01440764" / "labels.txt").write_text("not an image")
     with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'train'} has class sub-folders but no images in them"):
         pretrain(tiny_cfg(tmp_path, tmp_path / "out"))
-
-
-def test_the_cached_backbone_is_made_once(tiny_classification_set, tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
-    calls = []
-    original = pretraining_train.pretrain
-    monkeypatch.setattr(pretraining_train, "pretrain", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
-    cfg = tiny_cfg(tiny_classification_set, tmp_path / "unused", "PRETRAIN.MAX_ITER", "2")
-    logger = logging.getLogger(pretraining_train.__name__)  # detectron2's setup_logger may stop propagation
-    monkeypatch.setattr(logger, "handlers", [*logger.handlers, caplog.handler])
-    monkeypatch.setattr(logger, "disabled", False)
-    caplog.set_level(logging.INFO, logger=logger.name)  # setLevel: also clears the logger's level cache
-    path = cached_backbone(cfg)
-    assert len(calls) == 1 and os.path.isfile(path)
-    assert sorted(os.listdir(os.path.dirname(path))) == [BACKBONE_FILE, "manifest.json", "metrics.json", RESULTS_FILE]
-    assert cached_backbone(cfg) == path and len(calls) == 1  # reused, verified by its manifest
-    # the log names where the backbone stays, not the folder it was made in
-    assert f"MODEL.WEIGHTS {path} and this input convention" in caplog.text
-    assert ".resnet" not in caplog.text
-    with open(path, "ab") as f:
-        f.write(b"damage")
-    assert cached_backbone(cfg) == path and len(calls) == 2  # damaged: made again
-    backbone_tensors(path)
 
 
 def test_mixed_precision_off_cuda_is_refused_naming_the_key(tiny_classification_set, tmp_path):

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from sn_detection.engine.trainer import RESULTS_FILE
-from sn_detection.evidence import plots, report
-from sn_detection.evidence.runs import RunResult, loss_curve, read_result, write_record
+from sn_detection.experiments.compare_norms import plots, report
+from sn_detection.experiments.compare_norms.runs import RunResult, loss_curve, read_result, write_record
 
 
 def result(setting, seed, box_ap, mask_ap, batch_average=0, wall_s=100.0, backbone_top1=math.nan, weights=None,

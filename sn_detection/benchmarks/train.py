@@ -59,13 +59,13 @@ from detectron2.utils.events import EventStorage
 from .. import d2
 from ..d2.graphed_backbone import graph_backbone
 from ..data.datasets import register_shapes_datasets
+from ..engine.arguments import create_folder_of
+from ..engine.launch import load_cfg
 from ..layers import NORM_NAMES, NormBase, NormFactory
 from .baseline import baseline_layers, with_baseline_norms
-from .launch import load_cfg
 from .timing import (
-    create_folder_of, device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs, range_text,
-    ratio_to, timed_norms,
-)  # fmt: skip
+    device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs, range_text, ratio_to, timed_norms
+)
 
 NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
 LAZY_NORM_KEYS = (

@@ -1,19 +1,24 @@
 """The benchmarks' side-by-side timing: every candidate once per round, warm-up rounds dropped, ratios of
-medians and their spread over the rounds; the model benchmarks' shared options (counts of at least 1),
-norm list and per-norm configs (each validated)."""
+medians and their spread over the rounds; the model benchmarks' shared options (counts of at least 1, a
+JSON file checked before the work), norm list and per-norm configs (each validated)."""
 
-import argparse
 import os
 import time
 
 import pytest
 import torch
 
-from sn_detection.engine import load_cfg, timing
-from sn_detection.engine.timing import (
-    WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs, positive_int,
-    range_text, ratio_to, timed_norms,
-)  # fmt: skip
+from sn_detection.benchmarks.timing import (
+    WARMUP_ROUNDS,
+    device_seconds,
+    interleaved_seconds,
+    norm_benchmark_parser,
+    norm_setting_cfgs,
+    range_text,
+    ratio_to,
+    timed_norms,
+)
+from sn_detection.engine import load_cfg
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO_CONFIG = os.path.join(REPO, "configs", "demo_mask_rcnn_gn.yaml")
@@ -79,7 +84,6 @@ def test_a_count_below_one_or_not_an_int_is_an_argparse_error_naming_it(value, s
 
 
 def test_a_count_of_at_least_one_is_kept():
-    assert positive_int("1") == 1 and positive_int("12") == 12
     args = norm_benchmark_parser("t", "a.yaml", "GN", "GN", 8).parse_args(["--rounds", "3", "--threads", "1"])
     assert (args.rounds, args.threads) == (3, 1)
 
@@ -101,20 +105,8 @@ def test_a_norm_setting_the_config_cannot_build_is_refused_with_the_reason():
         norm_setting_cfgs(base, ["GN", "XN"], NORM_KEYS)
 
 
-def test_a_file_written_after_the_work_is_checked_before_it(tmp_path):
-    """--json and --publish are written when hours of timing or training are done: a path that cannot be
-    written fails at once, naming the problem; missing folders are fine, made when the file is written."""
-    absent = tmp_path / "absent" / "deeper" / "rows.json"
-    assert timing.output_file(str(absent)) == str(absent)
-    assert not (tmp_path / "absent").exists()  # checked by the parser, made by the writer
-    timing.create_folder_of(str(absent))
-    assert absent.parent.is_dir()
+def test_a_json_file_that_cannot_be_written_is_refused_before_the_work(tmp_path):
     (tmp_path / "notes.txt").write_text("")
-    under_a_file = str(tmp_path / "notes.txt" / "rows.json")
-    with pytest.raises(argparse.ArgumentTypeError, match=f"{tmp_path / 'notes.txt'} is a file, not a folder"):
-        timing.output_file(under_a_file)
-    with pytest.raises(argparse.ArgumentTypeError, match="is a folder; give the file to write"):
-        timing.output_file(str(tmp_path))
-    parser = timing.norm_benchmark_parser("a tool", "cfg.yaml", "GN", "GN", 3)
+    parser = norm_benchmark_parser("a tool", "cfg.yaml", "GN", "GN", 3)
     with pytest.raises(SystemExit):
-        parser.parse_args(["--json", under_a_file])
+        parser.parse_args(["--json", str(tmp_path / "notes.txt" / "rows.json")])

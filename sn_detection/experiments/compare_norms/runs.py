@@ -1,4 +1,4 @@
-"""One run of the norm comparison: its folder and what is read from it.
+"""One run of tools/compare_norms.py: its folder and what is read from it.
 
 A run folder is the OUTPUT_DIR of one ``tools/train_net.py`` training plus ``sweep_run.json``, the
 sweep's record of what the run is (setting, seed, schedule, the exact train_net arguments) and of each
@@ -15,6 +15,8 @@ import os
 import statistics
 from dataclasses import dataclass
 from typing import Sequence
+
+from ...pretraining.top1_stop import reached_stop
 
 RUN_RECORD = "sweep_run.json"
 # what detectron2's JSONWriter writes into OUTPUT_DIR
@@ -135,12 +137,6 @@ def read_result(folder: str, results_file: str, backbone_results_file: str | Non
         backbone_short_of_stop=float(not reached_stop(backbone)) if "stop_top1" in backbone else math.nan,
         code=tuple(attempt.get("code", NOT_RECORDED) for attempt in record["attempts"]),
     )
-
-
-def reached_stop(results: dict) -> bool:
-    """Whether a backbone pretrained with PRETRAIN.STOP_TOP1 X reached X, by its results file: at a periodic
-    evaluation (it stopped there) or at the final one, after its whole schedule."""
-    return results.get("stop_top1_reached", False) or results["val_top1"] >= results.get("stop_top1", math.inf)
 
 
 def initial_weights(train_args: Sequence[str]) -> str | None:

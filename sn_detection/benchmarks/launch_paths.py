@@ -17,11 +17,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..engine.arguments import create_folder_of, output_file, positive_int
 from ..layers import NORM_NAMES, build_norm, compiled_launch, triton_kernels
-from .timing import (
-    WARMUP_ROUNDS, create_folder_of, device_seconds, interleaved_seconds, output_file, positive_int, range_text,
-    ratio_to,
-)  # fmt: skip
+from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, range_text, ratio_to
 
 PATHS = ("ordinary", "direct")
 

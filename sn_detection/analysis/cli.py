@@ -4,7 +4,7 @@ markdown, CSV and PNG charts (``sn_detection.analysis.report``).
 Two sources:
 
 - ``--config-file CFG [KEY VALUE ...]``: the model of the config with its trained weights (see
-  ``trained``). SN and DN are read from the parameters; MN / MGN gates are observed on the first
+  ``sn_detection.engine.trained``). SN and DN are read from the parameters; MN / MGN gates are observed on the first
   ``--num-images`` images of DATASETS.TEST[0] (the model in evaluation mode, as at inference).
 - ``--checkpoint FILE``: a checkpoint alone (a detectron2 checkpoint or a bare state dict), its layers
   recognised by their parameter names (``analysis.choices``); MN / MGN layers are listed, but their
@@ -24,7 +24,12 @@ from typing import Optional, Sequence
 import torch
 from detectron2.data import build_detection_test_loader
 
-from ..analysis import (
+from ..d2.components import COMPONENTS, component_of
+from ..d2.norm_analysis import EVOLUTION_FILE
+from ..data.datasets import register_shapes_datasets
+from ..engine.launch import load_cfg
+from ..engine.trained import add_overrides_argument, load_trained_model
+from . import (
     GateRecorder,
     ModeGates,
     choices_from_state_dict,
@@ -32,13 +37,8 @@ from ..analysis import (
     mode_layers,
     mode_layers_in_state_dict,
 )
-from ..analysis.report import write_report
-from ..analysis.summary import KINDS, Record
-from ..d2.components import COMPONENTS, component_of
-from ..d2.norm_analysis import EVOLUTION_FILE
-from ..data.datasets import register_shapes_datasets
-from .launch import load_cfg
-from .trained import add_overrides_argument, load_trained_model
+from .report import write_report
+from .summary import KINDS, Record
 
 REPORT_FOLDER = "norm_analysis"
 

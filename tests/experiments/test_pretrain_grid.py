@@ -15,15 +15,26 @@ import subprocess
 
 import pytest
 
-from sn_detection.engine import compare_norms, jobs, pretrain_grid
 from sn_detection.engine.launch import load_cfg
-from sn_detection.engine.compare_norms import Setting, parse_setting
-from sn_detection.engine.pretrain_grid import Cell, cell_cfg, iterations_to_reach, plan_cells, top1_curve
+from sn_detection.experiments import backbones, jobs
+from sn_detection.experiments.compare_norms import cli as compare_norms
+from sn_detection.experiments.compare_norms import plan as compare_plan
+from sn_detection.experiments.compare_norms import report as compare_report
+from sn_detection.experiments.compare_norms.plan import Setting, parse_setting
+from sn_detection.experiments.pretrain_grid import cli as pretrain_grid
+from sn_detection.experiments.pretrain_grid import plan as grid_plan
+from sn_detection.experiments.pretrain_grid import publish as grid_publish
+from sn_detection.experiments.pretrain_grid import report as grid_report
+from sn_detection.experiments.pretrain_grid import results as grid_results
+from sn_detection.experiments.pretrain_grid.plan import Cell, cell_cfg, plan_cells
+from sn_detection.experiments.pretrain_grid.results import iterations_to_reach
 from sn_detection.pretraining import train as pretraining_train
-from sn_detection.pretraining.train import cached_backbone, cached_backbone_folder, cached_backbone_path, pretrain
+from sn_detection.pretraining.cache import cached_backbone, cached_backbone_folder, cached_backbone_path
+from sn_detection.pretraining.top1_stop import top1_curve
+from sn_detection.pretraining.train import pretrain
 from tiny_pretraining import pretrain_killed_at, tiny_pretrain_keys
 
-CONFIG = pretrain_grid.DEFAULT_CONFIG
+CONFIG = grid_plan.DEFAULT_CONFIG
 
 
 @pytest.mark.parametrize("arguments, problem", [
@@ -68,20 +79,20 @@ def test_the_grids_cells_are_the_backbones_the_finetune_sweep_asks_for(tmp_path,
     cells = {cell.name: cell for cell in plan_cells(["BN", "SN"], [0.1, cfg.PRETRAIN.BASE_LR], [0, 40])}
     best = {"BN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.WARMUP_ITERS": 40},
             "SN": {"PRETRAIN.BASE_LR": cfg.PRETRAIN.BASE_LR, "PRETRAIN.WARMUP_ITERS": 0}}  # fmt: skip
-    settings = [compare_norms.parse_setting(s) for s in ("FrozenBN/GN", "BN", "SN")]
-    configs = compare_norms.pretraining_configs(cfg, settings, best)
+    settings = [compare_plan.parse_setting(s) for s in ("FrozenBN/GN", "BN", "SN")]
+    configs = compare_plan.pretraining_configs(cfg, settings, best)
     paths = {norm: cached_backbone_path(config) for norm, config in configs.items()}
     bn = cached_backbone_path(cell_cfg(cfg, cells["BN-lr0.1-warmup40"]))
     assert paths == {"FrozenBN": bn, "BN": bn, "SN": cached_backbone_path(cell_cfg(cfg, cells["SN-lr0.2-warmup0"]))}
     assert len(set(cached_backbone_folder(cell_cfg(cfg, cell)) for cell in cells.values())) == len(cells)
     # the config's own warm-up and LR: the backbone the sweep finetunes from without --backbones
-    default = compare_norms.pretraining_configs(cfg, settings[1:2])["BN"]
+    default = compare_plan.pretraining_configs(cfg, settings[1:2])["BN"]
     own = Cell("BN", (("PRETRAIN.BASE_LR", cfg.PRETRAIN.BASE_LR), ("PRETRAIN.WARMUP_ITERS", cfg.PRETRAIN.WARMUP_ITERS)))
     assert cached_backbone_path(cell_cfg(cfg, own)) == cached_backbone_path(default)
     with pytest.raises(ValueError, match=r"--backbones: no pretraining setting for BN \(the backbone of FrozenBN\)"):
-        compare_norms.pretraining_configs(cfg, settings[:1], {"SN": {}})
+        compare_plan.pretraining_configs(cfg, settings[:1], {"SN": {}})
     with pytest.raises(ValueError, match="only PRETRAIN keys select a pretraining setting"):
-        compare_norms.pretraining_configs(cfg, settings[1:2], {"BN": {"SOLVER.BASE_LR": 0.1}})
+        compare_plan.pretraining_configs(cfg, settings[1:2], {"BN": {"SOLVER.BASE_LR": 0.1}})
 
 
 def test_backbones_needs_finetune_and_a_best_json(tmp_path, capsys):
@@ -114,13 +125,13 @@ def test_stop_top1_puts_one_target_in_place_of_the_files(tmp_path, capsys):
         "BN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_TOP1": 45.0, "PRETRAIN.EVAL_PERIOD": 120},
         "GN": {"PRETRAIN.BASE_LR": 0.2, "PRETRAIN.EVAL_PERIOD": 120, "PRETRAIN.STOP_TOP1": 45.0}}  # fmt: skip
     cfg = load_cfg(CONFIG, [])
-    configs = compare_norms.pretraining_configs(cfg, [parse_setting("FrozenBN/GN"), parse_setting("GN")],
+    configs = compare_plan.pretraining_configs(cfg, [parse_setting("FrozenBN/GN"), parse_setting("GN")],
                                                 args.backbone_settings)  # fmt: skip
     assert {norm: (c.PRETRAIN.STOP_TOP1, c.PRETRAIN.BASE_LR) for norm, c in configs.items()} == {
         "FrozenBN": (45.0, 0.1), "GN": (45.0, 0.2)}
-    runs = compare_norms.plan_runs(cfg, CONFIG, [parse_setting("GN")], [1], str(tmp_path / "sweep"),
+    runs = compare_plan.plan_runs(cfg, CONFIG, [parse_setting("GN")], [1], str(tmp_path / "sweep"),
                                    backbones={("GN", 1): "backbone.pth"})  # fmt: skip
-    text = compare_norms.describe(cfg, CONFIG, runs, (str(tmp_path / "equal.json"), args.backbone_settings),
+    text = compare_report.describe(cfg, CONFIG, runs, (str(tmp_path / "equal.json"), args.backbone_settings),
                                   stop_top1=args.stop_top1)  # fmt: skip
     assert text.startswith("### Norm settings finetuned from the backbones of `equal.json`, stopped at 45 % top-1")
     assert "its PRETRAIN.STOP_TOP1 replaced by `--stop-top1 45`" in text
@@ -242,7 +253,7 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
              "--output-dir", str(tmp_path / "sweep"), *tiny_pretrain_keys(tiny_classification_set)]  # fmt: skip
     assert compare_norms.main(sweep) == 0
     expected = {norm: cached_backbone_path(cell_cfg(cfg, Cell(norm, tuple(best[norm].items())))) for norm in ("BN", "GN")}
-    seeds = compare_norms.DEFAULT_SEEDS  # each finetunes the same backbone: the grid's, of the config's SEED
+    seeds = backbones.DEFAULT_SEEDS  # each finetunes the same backbone: the grid's, of the config's SEED
     assert planned["backbones"] == {**{("FrozenBN", seed): expected["BN"] for seed in seeds},
                                     **{("GN", seed): expected["GN"] for seed in seeds}}  # fmt: skip
     assert all(os.path.isfile(path) for path in planned["backbones"].values())
@@ -256,8 +267,8 @@ def test_the_table_shows_each_norms_best_setting_drawn_again(tmp_path, monkeypat
     cfg = load_cfg(CONFIG, opts)
     worse, best = (Cell("GN", (("PRETRAIN.BASE_LR", lr),)) for lr in (0.1, 0.2))
     # the draw as compare_norms --finetune --backbones best.json --backbone-seeds --seeds 1 2 asks for it
-    per_norm = compare_norms.pretraining_configs(cfg, [Setting("GN", "GN")], {"GN": {"PRETRAIN.BASE_LR": 0.2}})
-    second_draw = compare_norms.backbone_configs(per_norm, [1, 2], per_seed=True)["GN", 2]
+    per_norm = compare_plan.pretraining_configs(cfg, [Setting("GN", "GN")], {"GN": {"PRETRAIN.BASE_LR": 0.2}})
+    second_draw = backbones.backbone_configs(per_norm, [1, 2], per_seed=True)["GN", 2]
     # the grid's cells and one draw of the best, made here with known top-1: in the cache, whoever made them
     for config, top1 in ((cell_cfg(cfg, worse), 30.0), (cell_cfg(cfg, best), 40.0), (second_draw, 36.0)):
         with monkeypatch.context() as patch:
@@ -293,17 +304,17 @@ def test_a_cell_evaluated_only_at_its_end_bounds_its_first_reach():
     """A cell made elsewhere without PRETRAIN.EVAL_PERIOD (the demo's backbone) has only its final top-1:
     its iterations to a target are a bound (and its equal-top-1 cell is trained, not made from its run:
     ``same_run_stop``, tests/pretraining)."""
-    assert pretrain_grid.evaluated_throughout([(20, 30.0), (21, 40.0)], 20, 21)
-    assert not pretrain_grid.evaluated_throughout([(21, 40.0)], 20, 21)
-    assert not pretrain_grid.evaluated_throughout([(21, 40.0)], 0, 21)
+    assert grid_results.evaluated_throughout([(20, 30.0), (21, 40.0)], 20, 21)
+    assert not grid_results.evaluated_throughout([(21, 40.0)], 20, 21)
+    assert not grid_results.evaluated_throughout([(21, 40.0)], 0, 21)
     cell = Cell("SN", (("PRETRAIN.BASE_LR", 0.2),))
     result = {"norm": "SN", "setting": cell.setting, "overrides": dict(cell.overrides), "val_top1": 40.0,
               "iterations": 21, "wall_s": 60.0, "s_per_iter": 1.0, "top1_curve": [(21, 40.0)],
               "evaluated_throughout": False, "iterations_to_target": 21}  # fmt: skip
-    table = pretrain_grid.markdown("grid", [cell], {cell: result}, 35.0)
+    table = grid_report.markdown("grid", [cell], {cell: result}, 35.0)
     assert "| SN | LR 0.2 (best) | 40.00 % | 21 | 60 s | 1.000 | ≤ 21 (evaluated at the end only) |" in table
-    equal, _ = pretrain_grid.equal_top1_cells([cell], {cell: result}, 35.0, 20)
-    text = pretrain_grid.equal_markdown(35.0, equal, [], {}, {"SN": result})
+    equal, _ = grid_results.equal_top1_cells([cell], {cell: result}, 35.0, 20)
+    text = grid_report.equal_markdown(35.0, equal, [], {}, {"SN": result})
     assert "| SN | LR 0.2 | ≤ 21 (evaluated at the end only) | – | not done |  |" in text
 
 
@@ -321,11 +332,11 @@ def test_the_estimate_counts_the_iterations_a_cell_still_trains():
     cells = [Cell("GN", (("PRETRAIN.BASE_LR", lr),)) for lr in (0.1, 0.2)]
     configs = {cell: cell_cfg(cfg, cell) for cell in cells}
     finished = [{"norm": "GN", "s_per_iter": 2.0}, {"norm": "GN", "s_per_iter": 4.0}, {"norm": "GN", "s_per_iter": 3.0}]
-    seconds, basis = pretrain_grid.estimate(cells, finished, configs, jobs=2, steps=0)
+    seconds, basis = grid_plan.estimate(cells, finished, configs, jobs=2, steps=0)
     assert seconds == 3.0 * 42 / 2 and basis["GN"][0] == 3.0
     done = {cells[0]: 10, cells[1]: 0}.__getitem__
     iterations = {cells[0]: 20, cells[1]: 15}.__getitem__
-    assert pretrain_grid.estimate(cells, finished, configs, 1, 0, done, iterations)[0] == 3.0 * (10 + 15)
+    assert grid_plan.estimate(cells, finished, configs, 1, 0, done, iterations)[0] == 3.0 * (10 + 15)
 
 
 def test_pretrainings_own_metrics_give_the_curve(tmp_path, tiny_classification_set):
@@ -471,11 +482,11 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     sweep = ["--finetune", "--backbones", str(published.parent / "1_grid.equal_top1.json"), "--settings", "GN",
              "--report-only", "--output-dir", str(tmp_path / "sweep"), *opts]  # fmt: skip
     assert compare_norms.main(sweep) == 0
-    assert planned["backbones"] == {("GN", seed): cached_backbone_path(stopped) for seed in compare_norms.DEFAULT_SEEDS}
+    assert planned["backbones"] == {("GN", seed): cached_backbone_path(stopped) for seed in backbones.DEFAULT_SEEDS}
 
     # compare_norms --backbone-seeds draws of an equal-top-1 setting stop at the target too, each after its
     # own iterations: the grid shows them, and the spread of the iterations of those that reached it
-    draws = compare_norms.backbone_configs({"GN": stopped}, [2, 3], per_seed=True)
+    draws = backbones.backbone_configs({"GN": stopped}, [2, 3], per_seed=True)
     assert [(c.SEED, c.PRETRAIN.STOP_TOP1) for c in draws.values()] == [(2, 25.0), (3, 25.0)]
     for config, curve in zip(draws.values(), ([20.0, 27.0], [24.0, 24.0])):
         with monkeypatch.context() as patch:
@@ -497,7 +508,7 @@ def test_the_published_settings_files_are_the_published_grids_choice():
     from sn_detection.model_zoo import SECTIONS_DIR
 
     table_path = os.path.join(SECTIONS_DIR, "1_pretrain_grid.md")
-    settings = pretrain_grid.published_settings(table_path)
+    settings = grid_publish.published_settings(table_path)
     table = open(table_path).read()
     with open(settings["best.json"]) as f:
         best = json.load(f)
@@ -508,10 +519,10 @@ def test_the_published_settings_files_are_the_published_grids_choice():
     bold = {}
     for line in table.splitlines():
         columns = [column.strip() for column in line.strip("|").split("|")]
-        if len(columns) == len(lrs) + 1 and columns[0] in pretrain_grid.DEFAULT_NORMS:
+        if len(columns) == len(lrs) + 1 and columns[0] in grid_plan.DEFAULT_NORMS:
             (chosen,) = [lr for lr, column in zip(lrs, columns[1:]) if column.startswith("**")]
             bold[columns[0]] = chosen
-    assert list(bold) == list(pretrain_grid.DEFAULT_NORMS) == list(best) == list(equal)
+    assert list(bold) == list(grid_plan.DEFAULT_NORMS) == list(best) == list(equal)
     (target,) = re.findall(r"#### Trained to (\d+) %", table)
     for norm, lr in bold.items():
         periodic = {"PRETRAIN.EVAL_PERIOD": 120, "PRETRAIN.KEEP_EVALUATED_MODELS": True}

@@ -40,14 +40,21 @@ from typing import Optional, Sequence
 import torch
 from detectron2.utils.events import EventStorage
 
+from ..engine.arguments import create_folder_of, positive_int
+from ..engine.launch import load_cfg
 from ..pretraining.data import ClassificationImages, data_folder, sample_seed
 from ..pretraining.model import BackboneClassifier
 from ..pretraining.train import build_optimizer, build_trainer
-from .launch import load_cfg
 from .timing import (
-    WARMUP_ROUNDS, create_folder_of, device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs,
-    positive_int, range_text, ratio_to, timed_norms,
-)  # fmt: skip
+    WARMUP_ROUNDS,
+    device_seconds,
+    interleaved_seconds,
+    norm_benchmark_parser,
+    norm_setting_cfgs,
+    range_text,
+    ratio_to,
+    timed_norms,
+)
 
 REFERENCE = "BN"
 NORM_KEYS = ["MODEL.RESNETS.NORM"]

@@ -1,4 +1,4 @@
-"""sn_detection.engine.jobs: a backbone job makes only the planned backbone, and every attempt at a job
+"""sn_detection.experiments.jobs: a backbone job makes only the planned backbone, and every attempt at a job
 is recorded, a cut-off one up to its output's end. (Jobs that pretrain are run end to end by the grid's
 and the finetune sweep's tests.)"""
 
@@ -8,8 +8,8 @@ import re
 import subprocess
 import sys
 
-from sn_detection.engine import jobs
-from sn_detection.engine.compare_norms import DEFAULT_FINETUNE_CONFIG
+from sn_detection.experiments import jobs
+from sn_detection.experiments.compare_norms.plan import DEFAULT_FINETUNE_CONFIG
 
 
 def test_a_backbone_job_refuses_a_config_whose_cache_folder_is_not_the_planned(tmp_path, monkeypatch):

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
+from ..labels import config_label
+from .plan import RunSpec
 from .runs import AP_METRICS, NOT_RECORDED, RunResult
 
 # What is averaged: the AP columns, then the cost, the end of the learning curve, the backbone's top-1, the
@@ -250,3 +253,61 @@ def write_csv(path: str, results: Sequence[RunResult], summaries: Sequence[Setti
                       "seed": "", "runs": s.runs, "iterations": s.iterations, "folder": ""}  # fmt: skip
             writer.writerow({"kind": "mean", **common, **s.mean})
             writer.writerow({"kind": "std", **common, **s.std})
+
+
+def describe(
+    cfg, config_file: str, runs: Sequence[RunSpec], backbones: Optional[tuple[str, dict]] = None,
+    backbone_seeds: bool = False, stop_top1: Optional[float] = None,
+) -> str:
+    """The paragraph above the results table: what was trained and evaluated, and how to read it;
+    ``stop_top1``: the top-1 ``--stop-top1`` put in place of the ``backbones`` file's."""
+    config = config_label(config_file)
+    seeds = sorted({run.seed for run in runs})
+    iterations = sorted({run.iterations for run in runs})
+    init = "trained from scratch" if not cfg.MODEL.WEIGHTS else f"trained from `{cfg.MODEL.WEIGHTS}`"
+    tool = "tools/compare_norms.py"
+    finetuned = any("MODEL.WEIGHTS" in run.train_args for run in runs)
+    if finetuned:
+        tool += " --finetune"
+        init = (
+            f"finetuned (stages up to res{cfg.MODEL.BACKBONE.FREEZE_AT} frozen) from a ResNet-{cfg.MODEL.RESNETS.DEPTH} "
+            f"pretrained with the backbone's norm (FrozenBN: BN) on classification (`{cfg.PRETRAIN.DATA}`, "
+            f"{cfg.PRETRAIN.MAX_ITER} iterations at batch {cfg.PRETRAIN.IMS_PER_BATCH}, {cfg.PRETRAIN.IMAGE_SIZE} px; "
+            "`tools/pretrain_backbone.py`)"
+        )
+        if backbones:
+            path, best = backbones
+            chosen = "; ".join(f"{norm}: " + ", ".join(f"{key} {value}" for key, value in overrides.items())
+                               for norm, overrides in best.items())  # fmt: skip
+            replaced = f", its PRETRAIN.STOP_TOP1 replaced by `--stop-top1 {stop_top1:g}`" if stop_top1 is not None else ""
+            init += f", each norm with its PRETRAIN setting in `{path}`{replaced} (`tools/pretrain_grid.py`: {chosen})"
+        init += (
+            "; each seed from a backbone pretrained with that seed (`--backbone-seeds`: the spread includes the "
+            "backbone's draw)," if backbone_seeds else
+            f"; every seed from the one backbone pretrained with SEED {cfg.SEED} (the spread is the finetuning's "
+            "only),"
+        )  # fmt: skip
+    title = "Norm settings compared on this machine"
+    if finetuned and backbones:
+        title = f"Norm settings finetuned from the backbones of `{os.path.basename(backbones[0])}`"
+        if stop_top1 is not None:
+            title += f", stopped at {stop_top1:g} % top-1"
+    return (
+        f"### {title} (`{tool}`, measured here)\n\n"
+        f"Mask R-CNN R{cfg.MODEL.RESNETS.DEPTH}-FPN (`{config}`: {cfg.INPUT.MIN_SIZE_TEST} px inputs, FPN and "
+        f"heads {cfg.MODEL.FPN.OUT_CHANNELS} wide) {init} on `{cfg.DATASETS.TRAIN[0]}` at "
+        f"{cfg.SOLVER.IMS_PER_BATCH} images per batch for {', '.join(map(str, iterations))} iterations "
+        f"(LR {cfg.SOLVER.BASE_LR}), once per seed ({', '.join(map(str, seeds))}); COCO box and mask AP "
+        f"on `{cfg.DATASETS.TEST[0]}`, mean ± sample standard deviation over the seeds. A setting is the "
+        "backbone's norm, then that of the FPN and both heads (FrozenBN is the paper's BN†, - no norm). "
+        "*Test statistics*: with *batch average (K)*, "
+        "the batch-dependent statistics (BN's running statistics, SN's BN branch, DN's) are recomputed from "
+        "K training batches before evaluation (`TEST.BATCH_AVERAGE`, the SN paper's batch average; for BN "
+        "it replaces the moving average, as detectron2's PreciseBN would); *–*: the setting has none. "
+        "s/iter (median over training) and min/run (start-up, training, batch average and evaluation) are "
+        f"wall-clock times on {os.cpu_count()} CPU cores, noisy where other work shared the machine."
+        + (" *Backbone top-1*, where known: the val top-1 of the pretrained backbone the runs started from (one "
+           "figure where every seed started from the same one); *backbone iterations*, where a backbone stopped at "
+           "a top-1 (PRETRAIN.STOP_TOP1): the pretraining iterations it took; *short of the top-1*: backbones that "
+           "never reached it and trained their whole schedule." if finetuned else "")
+    )

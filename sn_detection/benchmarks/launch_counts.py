@@ -25,13 +25,11 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from ..engine.arguments import create_folder_of, output_file, positive_int
 from ..layers import NORM_NAMES, build_norm, passes
 from ..layers.launches import layer_counts, skipped_launches
 from .baseline import baseline_layers, baseline_twin
-from .timing import (
-    WARMUP_ROUNDS, create_folder_of, device_seconds, interleaved_seconds, output_file, positive_int, range_text,
-    ratio_to,
-)  # fmt: skip
+from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, range_text, ratio_to
 
 
 def host_times(device: torch.device, rounds: int, shape=(2, 256, 6, 6), steps: int = 100, baseline=None) -> dict:

@@ -40,12 +40,10 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from ..engine.arguments import create_folder_of, output_file, positive_int
 from ..layers import NORM_NAMES, build_norm
 from .baseline import baseline_layers, baseline_twin
-from .timing import (
-    WARMUP_ROUNDS, create_folder_of, device_seconds, interleaved_seconds, output_file, positive_int, range_text,
-    ratio_to,
-)  # fmt: skip
+from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, range_text, ratio_to
 
 SHAPES = {
     "full": [(2, 256, 200, 336), (2, 256, 100, 168), (512, 256, 14, 14), (2, 64, 400, 672)],

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from sn_detection.engine.baseline import baseline_layers, baseline_twin, with_baseline_norms
+from sn_detection.benchmarks.baseline import baseline_layers, baseline_twin, with_baseline_norms
 from sn_detection.layers import NORM_NAMES, NormBase, build_norm
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

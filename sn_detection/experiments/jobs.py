@@ -1,16 +1,16 @@
-"""The work the evidence tools run in subprocesses, ``jobs`` at a time on a share of the threads each
+"""The work the sweeps run in subprocesses, ``jobs`` at a time on a share of the threads each
 (``run_jobs``, ``child_environment``): tools/compare_norms.py's train_net runs, and backbone jobs, which
 make the cells of tools/pretrain_grid.py and the backbones a finetune sweep lacks.
 
-A backbone job is one backbone of the cache (``sn_detection.pretraining.train.cached_backbone``) and a folder of its
-own: ``training/`` (the work folder, checkpointed every PRETRAIN.CHECKPOINT_PERIOD iterations, so that a
+A backbone job is one backbone of the cache (``sn_detection.pretraining.cache.cached_backbone``) and a folder
+of its own: ``training/`` (the work folder, checkpointed every PRETRAIN.CHECKPOINT_PERIOD iterations, so that a
 job killed mid-way continues from its last checkpoint the next time; removed once the backbone is in the
 cache), ``pretrain.log`` (its output, appended by every attempt) and ``cell.json`` (what it makes, and
 every attempt: start, wall time, exit status, resumed or not, threads, ``code_version``). An attempt is
 recorded as it starts, so that one cut off with its parent still counts: its wall time ends at the log's
 last change.
 
-Its subprocess is ``python -m sn_detection.engine.jobs --work-dir W --expect-cache C --norm N --config-file
+Its subprocess is ``python -m sn_detection.experiments.jobs --work-dir W --expect-cache C --norm N --config-file
 F [KEY VALUE ...]``: it loads the config as the parent did and refuses to train if its cache folder is
 not C, so a job never makes a backbone other than the one planned.
 """
@@ -33,12 +33,12 @@ import torch
 from detectron2.checkpoint import DetectionCheckpointer
 from torch import nn
 
-from ..pretraining.train import cached_backbone, cached_backbone_folder
-from .launch import load_cfg
+from ..engine.launch import load_cfg
+from ..pretraining.cache import cached_backbone, cached_backbone_folder
 
 logger = logging.getLogger(__name__)
 
-JOB_MODULE = ("-m", "sn_detection.engine.jobs")
+JOB_MODULE = ("-m", "sn_detection.experiments.jobs")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB_RECORD = "cell.json"  # the name the grid's cell folders already hold
 JOB_LOG = "pretrain.log"
@@ -211,7 +211,7 @@ def run_jobs(todo: Sequence, run: Callable[[object], bool], jobs: int, done: Cal
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """One backbone job, in its own process: the backbone of the config with the norm and the overrides, made in
     the work folder (resumed) and moved into the cache; refused if its cache folder is not the planned."""
-    parser = argparse.ArgumentParser(prog="python -m sn_detection.engine.jobs")
+    parser = argparse.ArgumentParser(prog="python -m sn_detection.experiments.jobs")
     parser.add_argument("--work-dir", required=True)
     parser.add_argument("--expect-cache", required=True)
     parser.add_argument("--norm", required=True)

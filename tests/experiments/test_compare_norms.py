@@ -13,15 +13,20 @@ import time
 import pytest
 import yaml
 
-from sn_detection.engine import compare_norms
-from sn_detection.engine.compare_norms import Setting, parse_setting, plan_runs, scaled_schedule
-from sn_detection.engine.jobs import code_version
 from sn_detection.engine.launch import load_cfg
 from sn_detection.engine.trainer import RESULTS_FILE
-from sn_detection.evidence.runs import read_record
+from sn_detection.experiments import backbones, labels
+from sn_detection.experiments.compare_norms import cli as compare_norms
+from sn_detection.experiments.compare_norms import plan as compare_plan
+from sn_detection.experiments.compare_norms import report as compare_report
+from sn_detection.experiments.compare_norms import run as compare_run
+from sn_detection.experiments.compare_norms.plan import Setting, parse_setting, plan_runs, scaled_schedule
+from sn_detection.experiments.compare_norms.runs import read_record
+from sn_detection.experiments.jobs import child_environment, code_version
+from sn_detection.pretraining import cache as pretraining_cache
 from tiny_pretraining import pretrain_killed_at, tiny_pretrain_keys
 
-CONFIG = compare_norms.DEFAULT_CONFIG
+CONFIG = compare_plan.DEFAULT_CONFIG
 # Few iterations of a shrunk model, and an evaluation that takes seconds.
 TINY = [
     "INPUT.MIN_SIZE_TRAIN", "(64,)", "INPUT.MAX_SIZE_TRAIN", "96", "INPUT.MIN_SIZE_TEST", "64",
@@ -45,16 +50,16 @@ def test_a_config_of_the_package_is_named_by_its_checkout_path(tmp_path):
     """The default config (model_zoo's), the checkout's file reached by another path, the same config in
     another checkout (a worktree at the commit a sweep runs) and in an installed package read the same."""
     name = "configs/demo_compare_norms.yaml"
-    assert compare_norms.config_label(CONFIG) == name
+    assert labels.config_label(CONFIG) == name
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert compare_norms.config_label(os.path.join(repo, "tools", "..", name)) == name
+    assert labels.config_label(os.path.join(repo, "tools", "..", name)) == name
     (tmp_path / "worktree" / "sn_detection").mkdir(parents=True)
-    assert compare_norms.config_label(str(tmp_path / "worktree" / name)) == name
+    assert labels.config_label(str(tmp_path / "worktree" / name)) == name
     installed = tmp_path / "site" / "sn_detection" / "configs" / "lazy" / "mask_rcnn_sn_2x.py"
-    assert compare_norms.config_label(str(installed)) == "configs/lazy/mask_rcnn_sn_2x.py"
+    assert labels.config_label(str(installed)) == "configs/lazy/mask_rcnn_sn_2x.py"
     # any other config as given, a folder named configs included
     for elsewhere in (str(tmp_path / "mine.yaml"), str(tmp_path / "mine" / name)):
-        assert compare_norms.config_label(elsewhere) == elsewhere
+        assert labels.config_label(elsewhere) == elsewhere
 
 
 @pytest.mark.parametrize("text", ["XN", "SN/GN/BN", "SN/", ""])
@@ -75,7 +80,7 @@ def test_the_schedule_is_scaled_from_the_config():
 
 def test_batch_average_exactly_for_settings_with_batch_statistics(tmp_path):
     cfg = load_cfg(CONFIG, [])
-    settings = [parse_setting(s) for s in compare_norms.DEFAULT_SETTINGS]
+    settings = [parse_setting(s) for s in compare_plan.DEFAULT_SETTINGS]
     runs = plan_runs(cfg, CONFIG, settings, [1, 2], str(tmp_path), batch_average_batches=5)
     averaged = {run.setting.name: run.batch_average for run in runs}
     assert averaged == {"BN": 5, "GN": 0, "SN": 5, "DN": 5, "MGN": 0, "SN/GN": 5, "GN/SN": 5}
@@ -117,7 +122,7 @@ def train_net_calls(monkeypatch):
             calls.append(command)
         return call(command, **kwargs)
 
-    monkeypatch.setattr(compare_norms.subprocess, "call", counting_call)
+    monkeypatch.setattr(compare_run.subprocess, "call", counting_call)
     return calls
 
 
@@ -177,17 +182,17 @@ def test_a_failed_run_does_not_stop_the_sweep(tmp_path, train_net_calls):
     planned = plan_runs(cfg, CONFIG, [Setting("GN", "GN"), Setting("SN", "SN")], [1], str(tmp_path))
     # both fail fast (an unknown config key), each after its own train_net start
     broken = [dataclasses.replace(run, train_args=(*run.train_args, "MODEL.NO_SUCH_KEY", "1")) for run in planned]
-    assert compare_norms.run_sweep(broken) == broken
+    assert compare_run.run_sweep(broken) == broken
     assert output_dirs_of(train_net_calls) == [run.folder for run in planned]
     for run in broken:
         (attempt,) = read_record(run.folder)["attempts"]
         assert attempt["returncode"] != 0
-        assert "NO_SUCH_KEY" in open(os.path.join(run.folder, compare_norms.TRAIN_LOG)).read()
+        assert "NO_SUCH_KEY" in open(os.path.join(run.folder, compare_run.TRAIN_LOG)).read()
 
 
 def test_jobs_run_at_once_on_their_share_of_the_threads(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
-    assert [compare_norms.child_environment(jobs)["OMP_NUM_THREADS"] for jobs in (1, 2, 3, 8)] == ["4", "2", "1", "1"]
+    assert [child_environment(jobs)["OMP_NUM_THREADS"] for jobs in (1, 2, 3, 8)] == ["4", "2", "1", "1"]
     spans, call = {}, subprocess.call
 
     def timed_call(command, **kwargs):
@@ -196,19 +201,19 @@ def test_jobs_run_at_once_on_their_share_of_the_threads(tmp_path, monkeypatch):
         spans[command[command.index("OUTPUT_DIR") + 1]] = (start, time.monotonic(), kwargs["env"]["OMP_NUM_THREADS"])
         return returncode
 
-    monkeypatch.setattr(compare_norms.subprocess, "call", timed_call)
+    monkeypatch.setattr(compare_run.subprocess, "call", timed_call)
     cfg = load_cfg(CONFIG, [])
     planned = plan_runs(cfg, CONFIG, [Setting("GN", "GN"), Setting("SN", "SN"), Setting("BN", "BN")], [1], str(tmp_path))
     # each fails after its interpreter has started (an unknown config key): seconds, long enough to overlap
     broken = [dataclasses.replace(run, train_args=(*run.train_args, "MODEL.NO_SUCH_KEY", "1")) for run in planned]
-    assert compare_norms.run_sweep(broken, jobs=2) == broken
+    assert compare_run.run_sweep(broken, jobs=2) == broken
     (first, second, third) = (spans[run.folder] for run in broken)
     assert second[0] < first[1] and third[0] >= min(first[1], second[1])  # two at a time, in plan order
     assert {span[2] for span in spans.values()} == {"2"}
     assert [read_record(run.folder)["attempts"][0]["threads"] for run in broken] == [2, 2, 2]  # what it ran on
     assert {read_record(run.folder)["attempts"][0]["code"] for run in broken} == {code_version()}  # and which code
     with pytest.raises(ValueError, match="jobs must be >= 1"):
-        compare_norms.run_sweep(broken, jobs=0)
+        compare_run.run_sweep(broken, jobs=0)
 
 
 def test_a_no_norm_head_is_a_setting():
@@ -272,7 +277,7 @@ def test_tiny_finetune_sweep_pretrains_each_backbone_once_and_finetunes_from_it(
         weights = command[command.index("MODEL.WEIGHTS") + 1]
         assert weights.startswith(str(tmp_path / "backbones" / f"resnet18-{norm}-")), weights
         folder = command[command.index("OUTPUT_DIR") + 1]
-        log = open(os.path.join(folder, compare_norms.TRAIN_LOG)).read()
+        log = open(os.path.join(folder, compare_run.TRAIN_LOG)).read()
         missing = log.split("not found in the checkpoint:")[1].split("\n[")[0]  # the keys detectron2 lists
         assert f"Loading from {weights}" in log and "backbone.fpn_lateral2" in missing and "bottom_up" not in missing
     table = (tmp_path / "sweep" / "results.md").read_text()
@@ -304,8 +309,8 @@ def test_a_sweep_killed_while_pretraining_a_backbone_resumes_it(tmp_path, train_
     sweep = tmp_path / "sweep"
     arguments = ["--finetune", "--config-file", CONFIG, "--settings", "SN", "--seeds", "3", "--iters", "1",
                  "--batch-average-batches", "1", "--output-dir", str(sweep), *TINY, *pretraining]  # fmt: skip
-    config = compare_norms.pretraining_configs(load_cfg(CONFIG, [*TINY, *pretraining]), [Setting("SN", "SN")])["SN"]
-    folder = sweep / compare_norms.BACKBONE_WORK_FOLDER / os.path.basename(compare_norms.cached_backbone_folder(config))
+    config = compare_plan.pretraining_configs(load_cfg(CONFIG, [*TINY, *pretraining]), [Setting("SN", "SN")])["SN"]
+    folder = sweep / compare_plan.BACKBONE_WORK_FOLDER / os.path.basename(pretraining_cache.cached_backbone_folder(config))
 
     # the sweep was killed at the backbone's iteration 2, after its checkpoint at iteration 1
     pretrain_killed_at(monkeypatch, config, 2, resume=True, output_dir=str(folder / "training"))
@@ -315,8 +320,8 @@ def test_a_sweep_killed_while_pretraining_a_backbone_resumes_it(tmp_path, train_
     (attempt,) = json.loads((folder / "cell.json").read_text())["attempts"]
     assert attempt["resumed"] and attempt["returncode"] == 0
     assert "iterations 2-3" in (folder / "pretrain.log").read_text()  # continued, not started over
-    assert not (folder / "training").exists() and compare_norms.is_cached(config)
-    assert len(train_net_calls) == 1 and compare_norms.cached_backbone_path(config) in train_net_calls[0]
+    assert not (folder / "training").exists() and pretraining_cache.is_cached(config)
+    assert len(train_net_calls) == 1 and pretraining_cache.cached_backbone_path(config) in train_net_calls[0]
 
 
 def test_runs_whose_backbone_failed_are_left_out_and_the_others_run(tmp_path, train_net_calls, tiny_classification_set,
@@ -342,13 +347,13 @@ def test_backbone_seeds_pretrain_a_backbone_per_seed_the_configs_seed_the_grids(
     """--backbone-seeds: seed k finetunes a backbone pretrained with SEED k; the config's SEED gives the
     backbone a sweep without it uses (the grid's cell), and FrozenBN shares BN's."""
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
-    cfg = load_cfg(compare_norms.DEFAULT_FINETUNE_CONFIG, [])
+    cfg = load_cfg(compare_plan.DEFAULT_FINETUNE_CONFIG, [])
     settings = [parse_setting(text) for text in ("FrozenBN/GN", "BN", "SN")]
-    per_norm = compare_norms.pretraining_configs(cfg, settings)
+    per_norm = compare_plan.pretraining_configs(cfg, settings)
     seeds = [cfg.SEED, cfg.SEED + 1, cfg.SEED + 5]
-    shared = compare_norms.backbone_configs(per_norm, seeds, per_seed=False)
-    own = compare_norms.backbone_configs(per_norm, seeds, per_seed=True)
-    path = compare_norms.cached_backbone_path
+    shared = backbones.backbone_configs(per_norm, seeds, per_seed=False)
+    own = backbones.backbone_configs(per_norm, seeds, per_seed=True)
+    path = pretraining_cache.cached_backbone_path
     for norm in ("FrozenBN", "BN", "SN"):
         assert {path(shared[norm, seed]) for seed in seeds} == {path(per_norm[norm])}
         assert [own[norm, seed].SEED for seed in seeds] == seeds
@@ -364,14 +369,14 @@ def test_backbone_seeds_pretrain_a_backbone_per_seed_the_configs_seed_the_grids(
     for flag, expected in (([], shared), (["--backbone-seeds"], own)):
         assert compare_norms.main([*common, *flag, "--output-dir", str(tmp_path / f"sweep{len(flag)}")]) == 0
         assert planned["backbones"] == {("SN", seed): path(expected["SN", seed]) for seed in seeds[:2]}
-    runs = plan_runs(cfg, compare_norms.DEFAULT_FINETUNE_CONFIG, settings[2:], seeds[:1], str(tmp_path),
+    runs = plan_runs(cfg, compare_plan.DEFAULT_FINETUNE_CONFIG, settings[2:], seeds[:1], str(tmp_path),
                      backbones={("SN", seeds[0]): "backbone.pth"})  # fmt: skip
-    assert "(`--backbone-seeds`: the spread includes the backbone's draw), on" in compare_norms.describe(
+    assert "(`--backbone-seeds`: the spread includes the backbone's draw), on" in compare_report.describe(
         cfg, CONFIG, runs, backbone_seeds=True)  # fmt: skip
-    shared_text = compare_norms.describe(cfg, CONFIG, runs)
+    shared_text = compare_report.describe(cfg, CONFIG, runs)
     assert f"pretrained with SEED {cfg.SEED} (the spread is the finetuning's only), on" in shared_text
     assert shared_text.startswith("### Norm settings compared on this machine (`tools/compare_norms.py --finetune`")
-    from_grid = compare_norms.describe(cfg, CONFIG, runs, backbones=("grid/best.json", {"SN": {"PRETRAIN.BASE_LR": 0.2}}))
+    from_grid = compare_report.describe(cfg, CONFIG, runs, backbones=("grid/best.json", {"SN": {"PRETRAIN.BASE_LR": 0.2}}))
     assert from_grid.startswith("### Norm settings finetuned from the backbones of `best.json` (`tools/compare_norms.py")
     assert "its PRETRAIN setting in `grid/best.json` (`tools/pretrain_grid.py`: SN: PRETRAIN.BASE_LR 0.2)" in from_grid
     with pytest.raises(SystemExit):

@@ -17,8 +17,9 @@ from detectron2.engine import default_argument_parser, default_setup
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
-from ..pretraining.train import cached_backbone, pretrain, report
-from .launch import launch_processes, load_cfg
+from ..engine.launch import launch_processes, load_cfg
+from .cache import cached_backbone
+from .train import pretrain, report
 
 
 def pretrain_in_process(args) -> dict:

@@ -3,12 +3,12 @@ shared machine hits every candidate alike, and ratios with their spread over the
 and per-norm configs of the tools that time a model per norm."""
 
 import argparse
-import math
-import os
 import statistics
 import time
 
 import torch
+
+from ..engine.arguments import output_file, positive_int
 
 
 WARMUP_ROUNDS = 2
@@ -55,48 +55,6 @@ def ratio_to(times, reference):
 def range_text(ratio_range) -> str:
     """A ratio range as the tables print it: ``low-high``."""
     return "{:.2f}-{:.2f}".format(*ratio_range)
-
-
-def format_duration(seconds: float) -> str:
-    """A wall time as a person reads it: seconds, minutes, or hours from 1.5 h on; NaN is "unknown"."""
-    if math.isnan(seconds):
-        return "unknown"
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
-
-
-def positive_int(text: str) -> int:
-    """argparse ``type=`` of a count option: an int >= 1, or an argparse error naming the value."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: it must be an int >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is invalid: it must be an int >= 1")
-    return value
-
-
-def output_file(text: str) -> str:
-    """argparse ``type=`` of a file a tool writes after its work (``--json``, ``--publish``): checked
-    before the work, which can take hours. Its folder may be missing (``create_folder_of`` makes it when
-    the file is written); the nearest one that exists must be a writable folder."""
-    path = os.path.abspath(text)
-    if os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give the file to write")
-    existing = os.path.dirname(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise argparse.ArgumentTypeError(f"{text!r}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text!r}: the folder {existing} is not writable")
-    return text
-
-
-def create_folder_of(path: str) -> None:
-    """The folder of the file ``path``, with the folders above it, made where missing."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
 def norm_benchmark_parser(description: str, config_file: str, norms: str, reference: str, rounds: int):

@@ -1,0 +1,38 @@
+"""The ``argparse`` types and the file helper that the tools share: a count of at least 1, and a file a tool
+writes after its work, checked before it and its folder made when written."""
+
+import argparse
+import os
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` of a count option: an int >= 1, or an argparse error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: it must be an int >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is invalid: it must be an int >= 1")
+    return value
+
+
+def output_file(text: str) -> str:
+    """argparse ``type=`` of a file a tool writes after its work (``--json``, ``--publish``): checked
+    before the work, which can take hours. Its folder may be missing (``create_folder_of`` makes it when
+    the file is written); the nearest one that exists must be a writable folder."""
+    path = os.path.abspath(text)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give the file to write")
+    existing = os.path.dirname(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise argparse.ArgumentTypeError(f"{text!r}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: the folder {existing} is not writable")
+    return text
+
+
+def create_folder_of(path: str) -> None:
+    """The folder of the file ``path``, with the folders above it, made where missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
