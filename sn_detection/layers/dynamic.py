@@ -71,7 +71,7 @@ from torch import Tensor, nn
 
 from . import passes
 from .dynamic_kernels import DynamicKernels
-from .options import BOOLEAN, FRACTION, POSITIVE, POSITIVE_INT, Rule
+from .options import BOOLEAN, MOMENTUM, POSITIVE, POSITIVE_INT, Rule
 from .running import RunningMoments, group_sums, moments_from_sums
 from .statistics import MomentNormalizer, affine_from_moments
 
@@ -134,13 +134,14 @@ class DynamicNorm2d(MomentNormalizer, RunningMoments):
     Args:
         num_channels: C.
         eps: added to the variance.
-        momentum: running = (1 - momentum) * running + momentum * batch (PyTorch convention).
+        momentum: running = (1 - momentum) * running + momentum * batch (PyTorch convention); None: the
+            cumulative average (momentum 1 / num_batches_tracked).
         init_groups: initial contiguous channel groups: C (IN), or a power of two dividing C (1 = LN).
             None: 32, or the largest power of two dividing C if smaller.
         init_batch_pool: start with the batch gate on (BN-like pooling over the batch).
     """
 
-    option_rules = {"eps": POSITIVE, "momentum": FRACTION, "init_groups": _GROUP_COUNT, "init_batch_pool": BOOLEAN}
+    option_rules = {"eps": POSITIVE, "momentum": MOMENTUM, "init_groups": _GROUP_COUNT, "init_batch_pool": BOOLEAN}
     gate_parameters = ("channel_gates", "batch_gate")
 
     def __init__(
@@ -148,7 +149,7 @@ class DynamicNorm2d(MomentNormalizer, RunningMoments):
         num_channels: int,
         *,
         eps: float = 1e-5,
-        momentum: float = 0.1,
+        momentum: Optional[float] = 0.1,
         init_groups: Optional[int] = None,
         init_batch_pool: bool = False,
     ):

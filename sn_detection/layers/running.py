@@ -9,7 +9,8 @@ modes of any size combine exactly (law of total variance); in float64, so that E
 fp32 accuracy even where a channel's mean is 1e4 times its spread.
 
 Buffers, with torch's names: ``running_mean``, ``running_var`` (shape (C,), or (K, C) for MN) and
-``num_batches_tracked``. Updates follow torch's momentum convention, m = ``momentum``:
+``num_batches_tracked``. Updates follow torch's momentum convention, m = ``momentum``, or with
+``momentum=None`` torch's cumulative average, m = 1 / num_batches_tracked (counting this batch):
 
     running_mean = (1 - m) running_mean + m mean
     running_var  = (1 - m) running_var  + m var                                     (SN, DN, BNSR)
@@ -121,13 +122,13 @@ def update_running_moments(
     mean: Tensor,
     var: Tensor,
     count: Tensor,
-    momentum: float,
+    momentum: Optional[float],
     unbiased: bool,
     mixture: bool,
 ) -> None:
     """Move the running statistics in place towards a batch's ``mean`` and biased ``var`` (shape S + (C,),
     like the buffers) of ``count`` values (shape S, or ()) per row, by the module docstring's rule: the
-    factor ``momentum``; the mean where a row has values, the variance
+    factor ``momentum``, or 1 / num_batches_tracked for None; the mean where a row has values, the variance
     where ``variance_seen``; Bessel's correction with ``unbiased``, the mixture's variance with ``mixture``;
     ``num_batches_tracked`` counts the batch if any row has values. In float64; no value is read on the
     host. ``running_kernels.store_running_moments`` is the same rule in the kernels."""
@@ -135,9 +136,12 @@ def update_running_moments(
     count = _per_row(count.double(), mean)
     seen = count > 0
     num_batches_tracked.add_(seen.any().long())
-    # torch.where rather than an `if`: a count pooled across processes lives on the device, and reading
-    # it would stall the host
-    factor = momentum
+    # torch.where rather than an `if`, and the cumulative factor as a tensor: a count pooled across
+    # processes, and num_batches_tracked, live on the device, and reading them would stall the host
+    if momentum is None:
+        factor = num_batches_tracked.double().clamp(min=1).reciprocal()
+    else:
+        factor = torch.full((), momentum, dtype=torch.float64, device=mean.device)
     old_mean, old_var = running_mean.double(), running_var.double()
     step = mean - old_mean
     new_var = old_var + factor * (_stored_variance(var, count, unbiased) - old_var)
@@ -187,7 +191,7 @@ def _is_replaying():
 
 class RunningMoments(NormBase):
     """A norm layer with running statistics and the batch average (module docstring); its options
-    include ``momentum``.
+    include ``momentum`` (a number in [0, 1], or None for the cumulative average).
 
     A subclass calls ``_register_running_moments(shape)`` in its constructor (or not at all, when a
     configuration has nothing to estimate, like SN without its BN branch: then tracking and the batch
