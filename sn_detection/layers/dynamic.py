@@ -25,8 +25,10 @@ This is the paper's formula rewritten, for any real g (so the straight-through g
 the paper's expression), but it never subtracts two large second moments, and it stays accurate in fp32
 when a channel's mean is much larger than its spread. The factors act on different sub-axes, so they
 commute and their order does not matter. The cost is O(N C log C) on the (N, C) summaries; the
-activation itself is read twice (moments, then one fused multiply-add), after one fp32 copy when the
-input is fp16/bf16 (statistics and output are computed in fp32, then cast back).
+activation itself is read twice (moments, then one fused multiply-add). Statistics and output are
+computed in fp32 for fp16 / bf16 input, and the output is rounded to the input's dtype: the Triton
+kernels read the input as it is, the PyTorch path converts it to fp32 in each of the two passes
+(``passes``).
 
 Choices the poster leaves open, and how they are settled here:
 

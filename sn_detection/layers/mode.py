@@ -45,7 +45,9 @@ Choices the paper leaves open, and how they are settled here:
   whenever C_k > 0, and always normalized.
 * Cost: statistics are computed once per (n, c) in fp32 (in the input's dtype if that is wider); the
   mixture over modes folds into one per-(n, c) scale and shift, so the activation is read twice and
-  written once whatever K is (plus one fp32 copy for fp16/bf16 input; the output is cast back).
+  written once whatever K is. fp16 / bf16 input: the Triton kernels read it as it is and compute in fp32,
+  the PyTorch path converts it to fp32 in each of the two passes (``passes``); the output has the input's
+  dtype.
 * An empty batch (N = 0) gives an empty output and leaves the buffers alone; in training MN then has no
   batch estimates and uses the running ones.
 * Batch average (MN): between `start_batch_average()` and `finish_batch_average()`, training-mode
