@@ -1,6 +1,8 @@
 """The base's extension for every layer with running statistics (running.RunningMoments): torch's reset methods,
-one error message for an empty batch average, exact weighted and per-mode pooling, and state dicts of
-earlier versions that still load."""
+one error message for an empty batch average, exact weighted and per-mode pooling, state dicts of earlier
+versions that still load, and momentum None as BatchNorm's cumulative average (eager and scripted)."""
+
+import copy
 
 import pytest
 import torch
@@ -139,3 +141,17 @@ def test_momentum_must_be_a_fraction_or_none(name):
     assert build_norm(name, 8, momentum=None).momentum is None
     with pytest.raises(ValueError, match=r"momentum=1\.5 is invalid: it must be a number in \[0, 1\].*or None"):
         build_norm(name, 8, momentum=1.5)
+
+
+@pytest.mark.parametrize("name", ["SN", "DN", "MN", "BNSR"])
+def test_a_scripted_layer_keeps_the_cumulative_average(name):
+    eager = build_norm(name, 8, momentum=None).train()
+    scripted = torch.jit.script(copy.deepcopy(eager))
+    generator = torch.Generator().manual_seed(0)
+    for k in range(3):
+        x = torch.randn(2, 8, 3, 3, generator=generator) + k
+        with torch.no_grad():
+            eager(x)
+            scripted(x)
+    for key in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(scripted, key), getattr(eager, key), msg=key)
