@@ -5,7 +5,7 @@
 that has that option (``EPS`` is the eps of all of them, ``MOMENTUM`` of those with running statistics):
 
     EPS                  eps                 all
-    MOMENTUM             momentum            SN, SyncSN, DN, MN, BNSR (PyTorch convention)
+    MOMENTUM             momentum            SN, SyncSN, DN, MN, BNSR (PyTorch convention; None: cumulative)
     USE_BN               use_bn              SN, SyncSN: the BN branch (False for 1 image per GPU)
     GN_GROUPS            num_groups          GN
     NUM_MODES            num_modes           MN, MGN

@@ -1,7 +1,7 @@
 """Normalization layers in pure PyTorch (no detectron2 import); ``build_norm`` creates them by name,
 ``NormFactory`` for any channel count, ``update_batch_average`` runs the SN paper's batch average."""
 
-from .base import IDENTITY_KEY, FreezableNorm, NormBase, NormIdentity
+from .base import IDENTITY_KEY, NormBase
 from .batch_average import batch_statistics_modules, has_batch_statistics, update_batch_average
 from .dynamic import DynamicNorm2d
 from .factory import (
@@ -27,14 +27,12 @@ __all__ = [
     "IDENTITY_KEY",
     "NORM_NAMES",
     "DynamicNorm2d",
-    "FreezableNorm",
     "GroupNorm2d",
     "ModeGroupNorm2d",
     "ModeNorm2d",
     "NormBase",
     "NormBuildError",
     "NormFactory",
-    "NormIdentity",
     "PositionalNorm2d",
     "RunningMoments",
     "SkewnessReducedBatchNorm2d",

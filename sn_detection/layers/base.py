@@ -241,8 +241,3 @@ def _decode(state) -> str:
     if not (isinstance(state, Tensor) and state.dtype == torch.uint8 and state.shape == (_IDENTITY_SIZE,)):
         return f"an unreadable identity ({type(state).__name__} {getattr(state, 'shape', '')})"
     return bytes(state.tolist()).rstrip(b"\0").decode(errors="replace")
-
-
-# The mixins this base unites kept their names: code that subclasses or checks them gets the base.
-NormIdentity = NormBase
-FreezableNorm = NormBase

@@ -25,8 +25,10 @@ This is the paper's formula rewritten, for any real g (so the straight-through g
 the paper's expression), but it never subtracts two large second moments, and it stays accurate in fp32
 when a channel's mean is much larger than its spread. The factors act on different sub-axes, so they
 commute and their order does not matter. The cost is O(N C log C) on the (N, C) summaries; the
-activation itself is read twice (moments, then one fused multiply-add), after one fp32 copy when the
-input is fp16/bf16 (statistics and output are computed in fp32, then cast back).
+activation itself is read twice (moments, then one fused multiply-add). Statistics and output are
+computed in fp32 for fp16 / bf16 input, and the output is rounded to the input's dtype: the Triton
+kernels read the input as it is, the PyTorch path converts it to fp32 in each of the two passes
+(``passes``).
 
 Choices the poster leaves open, and how they are settled here:
 
@@ -71,7 +73,7 @@ from torch import Tensor, nn
 
 from . import passes
 from .dynamic_kernels import DynamicKernels
-from .options import BOOLEAN, FRACTION, POSITIVE, POSITIVE_INT, Rule
+from .options import BOOLEAN, MOMENTUM, POSITIVE, POSITIVE_INT, Rule
 from .running import RunningMoments, group_sums, moments_from_sums
 from .statistics import MomentNormalizer, affine_from_moments
 
@@ -134,13 +136,14 @@ class DynamicNorm2d(MomentNormalizer, RunningMoments):
     Args:
         num_channels: C.
         eps: added to the variance.
-        momentum: running = (1 - momentum) * running + momentum * batch (PyTorch convention).
+        momentum: running = (1 - momentum) * running + momentum * batch (PyTorch convention); None: the
+            cumulative average (momentum 1 / num_batches_tracked).
         init_groups: initial contiguous channel groups: C (IN), or a power of two dividing C (1 = LN).
             None: 32, or the largest power of two dividing C if smaller.
         init_batch_pool: start with the batch gate on (BN-like pooling over the batch).
     """
 
-    option_rules = {"eps": POSITIVE, "momentum": FRACTION, "init_groups": _GROUP_COUNT, "init_batch_pool": BOOLEAN}
+    option_rules = {"eps": POSITIVE, "momentum": MOMENTUM, "init_groups": _GROUP_COUNT, "init_batch_pool": BOOLEAN}
     gate_parameters = ("channel_gates", "batch_gate")
 
     def __init__(
@@ -148,7 +151,7 @@ class DynamicNorm2d(MomentNormalizer, RunningMoments):
         num_channels: int,
         *,
         eps: float = 1e-5,
-        momentum: float = 0.1,
+        momentum: Optional[float] = 0.1,
         init_groups: Optional[int] = None,
         init_batch_pool: bool = False,
     ):

@@ -71,8 +71,7 @@ channel, so:
   each state (O_j, V_j) to a scratch plane in global memory and reading a channel's group members back
   after ``tl.debug_barrier()`` (a program reads only its own rows, and each level writes a new plane, so
   no read races a write), and writes scale, shift and, for the backward, Delta_j and X_j of every level.
-  Program 0 alone moves the running statistics (the variance only when N * P > 1, as ``running._track``)
-  and num_batches_tracked.
+  Program 0 alone moves the running statistics (``running_kernels``).
 - backward, launch 1, the same programs: the levels in reverse, the same scratch-plane scheme for A G',
   giving (G_M1, G_V1) after the batch level and each sample's share of every gate's gradient (N, L + 1).
 - backward, launch 2, one program per block of channels: the batch level's adjoint (its means over n of
@@ -91,6 +90,7 @@ import torch
 from torch import Tensor
 
 from .fused import written_in_place
+from .running_kernels import running_factor, store_running_moments
 from .triton_kernels import MapPasses, cdiv, launch, next_pow2, tl, triton
 
 _MAX_CHUNK = 1024  # channels of one tile of the per-sample kernels
@@ -139,8 +139,8 @@ if triton is not None:
     def _forward_kernel(
         moments_ptr, weight_ptr, bias_ptr, gates_ptr, batch_gate_ptr,
         running_mean_ptr, running_var_ptr, tracked_ptr, affine_ptr,
-        N, C, eps, momentum,
-        NUM_LEVELS: tl.constexpr, ODD: tl.constexpr, BATCH_STATS: tl.constexpr, UPDATE_VAR: tl.constexpr,
+        N, C, eps, momentum, count,
+        NUM_LEVELS: tl.constexpr, ODD: tl.constexpr, BATCH_STATS: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
         # One program: BLOCK_N samples. The blocks (``MapPasses``): moments (m, v), affine (scale, shift,
@@ -156,6 +156,8 @@ if triton is not None:
         row_base = rows[:, None] * C
         b_on = tl.load(batch_gate_ptr).to(tl.float32) > 0
         b = b_on.to(tl.float32)
+        if BATCH_STATS:  # a batch of ``count`` values per channel
+            average_factor = running_factor(tracked_ptr, momentum, 1)
 
         # the batch level
         for c0 in range(0, C, BLOCK_C):
@@ -169,11 +171,10 @@ if triton is not None:
                 k, shifted_mean, target_var = _batch_moments(mean_ptr, var_ptr, cols, col_mask, N, C, BLOCK_N, BLOCK_C)
                 delta = shifted_mean[None, :] - (m - k[None, :])
                 first = col_mask & (pid == 0)  # program 0 records the batch
-                old = tl.load(running_mean_ptr + cols, mask=first, other=0.0).to(tl.float32)
-                tl.store(running_mean_ptr + cols, old + momentum * (k + shifted_mean - old), mask=first)
-                if UPDATE_VAR:  # a batch of one value per channel has no spread to record
-                    old = tl.load(running_var_ptr + cols, mask=first, other=0.0).to(tl.float32)
-                    tl.store(running_var_ptr + cols, old + momentum * (target_var - old), mask=first)
+                store_running_moments(
+                    running_mean_ptr, running_var_ptr, cols, first, k + shifted_mean, target_var, count,
+                    average_factor, None, False, False,
+                )
             else:
                 target_mean = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
                 target_var = tl.load(running_var_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -183,9 +184,6 @@ if triton is not None:
             tl.store(state_ptr + plane + offsets, target_var - v + (1 - 2 * b) * delta * delta, mask=mask)
             tl.store(state_ptr + 2 * plane + offsets, tl.where(b_on, delta, 0.0), mask=mask)
             tl.store(state_ptr + 3 * plane + offsets, tl.where(b_on, target_var, v), mask=mask)
-        if BATCH_STATS:
-            if pid == 0:
-                tl.store(tracked_ptr, tl.load(tracked_ptr) + 1)
         tl.debug_barrier()
 
         # the channel levels, finest first; each reads plane pair j and writes pair j + 1
@@ -409,11 +407,10 @@ class DynamicKernels:
         self.sample_grid = (cdiv(n, block_n),)
         self.state_size = (4 * levels + 4) * n * c  # after the affine block's scale and shift
         self.backward_size = (2 * levels + 2) * n * c + n * (levels + 1)  # after the pq block's p and q
-        # a batch of one value per channel moves the running mean only (``running``)
+        self.count = float(n * h * w)  # values per channel of the batch
         self.forward_constants = dict(
-            NUM_LEVELS=levels, ODD=odd, BATCH_STATS=self.training, UPDATE_VAR=n * h * w > 1, BLOCK_N=block_n,
-            BLOCK_C=block_c,
-        )  # fmt: skip
+            NUM_LEVELS=levels, ODD=odd, BATCH_STATS=self.training, BLOCK_N=block_n, BLOCK_C=block_c
+        )
         self.levels_constants = dict(NUM_LEVELS=levels, ODD=odd, BLOCK_N=block_n, BLOCK_C=block_c)
         block_l = next_pow2(levels + 1)
         block_c = min(next_pow2(c), _MAX_BLOCK_C)
@@ -438,7 +435,7 @@ class DynamicKernels:
         gates = channel_gates if self.num_levels else batch_gate  # never read when there are none
         running = layer.running_buffers()
         launch(_forward_kernel, self.sample_grid, (moments, weight, bias, gates, batch_gate, *running, affine, n, c,
-               layer.eps, layer.momentum), self.forward_constants)  # fmt: skip
+               layer.eps, layer.momentum, self.count), self.forward_constants)  # fmt: skip
         if self.training:
             written_in_place(*running)
         return affine, None

@@ -45,7 +45,9 @@ Choices the paper leaves open, and how they are settled here:
   whenever C_k > 0, and always normalized.
 * Cost: statistics are computed once per (n, c) in fp32 (in the input's dtype if that is wider); the
   mixture over modes folds into one per-(n, c) scale and shift, so the activation is read twice and
-  written once whatever K is (plus one fp32 copy for fp16/bf16 input; the output is cast back).
+  written once whatever K is. fp16 / bf16 input: the Triton kernels read it as it is and compute in fp32,
+  the PyTorch path converts it to fp32 in each of the two passes (``passes``); the output has the input's
+  dtype.
 * An empty batch (N = 0) gives an empty output and leaves the buffers alone; in training MN then has no
   batch estimates and uses the running ones.
 * Batch average (MN): between `start_batch_average()` and `finish_batch_average()`, training-mode
@@ -56,13 +58,15 @@ Choices the paper leaves open, and how they are settled here:
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import passes
 from .mode_kernels import ModeGroupKernels, ModeKernels
-from .options import FRACTION, POSITIVE, POSITIVE_INT
+from .options import MOMENTUM, POSITIVE, POSITIVE_INT
 from .running import RunningMoments, mode_sums, moments_from_sums
 from .statistics import MomentNormalizer
 
@@ -77,15 +81,18 @@ class ModeNorm2d(MomentNormalizer, RunningMoments):
         num_channels: C.
         num_modes: K.
         eps: added to each mode's variance.
-        momentum: running = (1 - momentum) * running + momentum * batch (the paper's lambda).
+        momentum: running = (1 - momentum) * running + momentum * batch (the paper's lambda); None: the
+            cumulative average (momentum 1 / num_batches_tracked).
     """
 
-    option_rules = {"num_modes": POSITIVE_INT, "eps": POSITIVE, "momentum": FRACTION}
+    option_rules = {"num_modes": POSITIVE_INT, "eps": POSITIVE, "momentum": MOMENTUM}
     gate_parameters = ("gate.weight", "gate.bias")
     # Alg. 2 keeps E[x] and E[x^2] with momentum: the running variance is that mixture's (``running``)
     mixture_running_var = True
 
-    def __init__(self, num_channels: int, *, num_modes: int = 2, eps: float = 1e-5, momentum: float = 0.1):
+    def __init__(
+        self, num_channels: int, *, num_modes: int = 2, eps: float = 1e-5, momentum: Optional[float] = 0.1
+    ):
         super().__init__(num_channels, num_modes=num_modes, eps=eps, momentum=momentum)
         self.gate = nn.Linear(num_channels, num_modes)
         self._register_running_moments((num_modes, num_channels))

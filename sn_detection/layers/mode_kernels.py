@@ -25,7 +25,8 @@ estimates. With r = (var + eps)^(-1/2), the per-sample mixture folds into
     scale_nc = gamma_c sum_k g_nk r_kc,   shift_nc = beta_c - gamma_c sum_k g_nk (mu_kc - m_nc) r_kc
 
 and training moves the running estimates of every mode with N_k > 0 (some gate positive) towards (t, V)
-as ``running._track`` does (mixture variance), num_batches_tracked counting the batch if any mode moved.
+by ``running``'s rule (mixture variance; ``running_kernels``), num_batches_tracked counting the batch if
+any mode moved.
 
 MN, backward. With E_nkc = D_nc - S_nc (mu_kc - m_nc) (what reaches r through both terms):
 
@@ -111,6 +112,7 @@ import torch
 from torch import Tensor
 
 from .fused import written_in_place
+from .running_kernels import running_factor, store_running_moments
 from .triton_kernels import MapPasses, cdiv, launch, next_pow2, tl, triton
 
 MAX_MODES = 16
@@ -223,7 +225,6 @@ if triton is not None:
             count = tl.sum(tl.sum(count, 1), 0)
             t = tl.sum(t, 0)  # (BLOCK_C, BLOCK_K)
             step = tl.sum(step, 0)
-            center = tl.sum(center, 0)
             var_t = tl.sum(m2, 0) / tl.where(count > 0, count, 1.0)[None, :]
             log_n = tl.where(count > 0, top + tl.log(tl.where(count > 0, count, 1.0)), float("-inf"))  # log N_k
             tl.store(stats_ptr + N * K + ks, log_n, mask=k_mask & (pid == 0))
@@ -231,15 +232,13 @@ if triton is not None:
             mu = a * t
             var = a * var_t + a * (1 - a) * t * t
             if UPDATE_RUNNING:
-                seen = tl.exp(top) > 0  # some gate of the mode is positive
-                update = ck_mask & seen[None, :]
-                old_var = tl.load(running_var_ptr + ck, mask=ck_mask, other=0.0).to(tl.float32)
-                new_var = old_var + momentum * (var_t - old_var) + momentum * (1 - momentum) * step * step
-                tl.store(running_mean_ptr + ck, center + momentum * step, mask=update)
-                tl.store(running_var_ptr + ck, new_var, mask=update)
-                if pid == 0:
-                    moved = tl.max(tl.where(k_mask & seen, 1, 0), 0)
-                    tl.store(tracked_ptr, tl.load(tracked_ptr) + moved.to(tl.int64))
+                mode_weight = count * tl.exp(top)  # N_k, > 0 where some gate of the mode is positive
+                moved = tl.max(tl.where(k_mask & (mode_weight > 0), 1, 0), 0)
+                average_factor = running_factor(tracked_ptr, momentum, moved.to(tl.int64))
+                store_running_moments(
+                    running_mean_ptr, running_var_ptr, ck, ck_mask, t, var_t, mode_weight[None, :], average_factor,
+                    step, False, True,
+                )
         else:
             mu = tl.load(running_mean_ptr + ck, mask=ck_mask, other=0.0).to(tl.float32)
             var = tl.load(running_var_ptr + ck, mask=ck_mask, other=0.0).to(tl.float32)

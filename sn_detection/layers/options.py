@@ -32,7 +32,10 @@ def is_int(value) -> bool:
 
 POSITIVE = Rule(lambda v: is_number(v) and v > 0, "a number > 0")
 NON_NEGATIVE = Rule(lambda v: is_number(v) and v >= 0, "a number >= 0")
-FRACTION = Rule(lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1] (PyTorch's momentum convention)")
+MOMENTUM = Rule(
+    lambda v: v is None or (is_number(v) and 0 <= v <= 1),
+    "a number in [0, 1] (PyTorch's momentum convention), or None (a cumulative average, as PyTorch's BatchNorm)",
+)
 BOOLEAN = Rule(lambda v: isinstance(v, bool), "True or False")
 POSITIVE_INT = Rule(lambda v: is_int(v) and v >= 1, "an int >= 1")
 

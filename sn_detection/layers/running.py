@@ -9,7 +9,8 @@ modes of any size combine exactly (law of total variance); in float64, so that E
 fp32 accuracy even where a channel's mean is 1e4 times its spread.
 
 Buffers, with torch's names: ``running_mean``, ``running_var`` (shape (C,), or (K, C) for MN) and
-``num_batches_tracked``. Updates follow torch's momentum convention, m = ``momentum``:
+``num_batches_tracked``. Updates follow torch's momentum convention, m = ``momentum``, or with
+``momentum=None`` torch's cumulative average, m = 1 / num_batches_tracked (counting this batch):
 
     running_mean = (1 - m) running_mean + m mean
     running_var  = (1 - m) running_var  + m var                                     (SN, DN, BNSR)
@@ -22,7 +23,9 @@ image of 1x1 maps) only the mean, except for MN: one value has no spread, and it
 pull an average of batch variances towards 0 until evaluation divides by sqrt(eps) (torch's BatchNorm
 refuses such a batch); MN's estimate, the variance of the mixture, takes the value's distance instead.
 ``running_var`` is the biased variance unless the class sets ``unbiased_running_var`` (BNSR, like
-BatchNorm).
+BatchNorm). ``num_batches_tracked`` counts the batches that had values. This rule is written once for
+the torch path (``update_running_moments``) and once for the Triton kernels (``running_kernels``), which
+move the running statistics inside their own statistics kernels.
 
 The batch average (SN paper, Sec. 2.1, Inference): between ``start_batch_average()`` and
 ``finish_batch_average()`` training-mode forwards add their sums to a float64 ``MomentAccumulator``
@@ -60,6 +63,13 @@ class MomentSums(NamedTuple):
     total_sq: Tensor
 
 
+def _per_row(values: Tensor, target: Tensor) -> Tensor:
+    """``values`` of shape S (a count or a mask per row) broadcast against ``target`` of shape S + (C,)."""
+    while values.dim() < target.dim():
+        values = values.unsqueeze(-1)
+    return values
+
+
 def group_sums(mean: Tensor, var: Tensor, size: int) -> MomentSums:
     """The ``MomentSums`` of groups of ``size`` values each (H * W pixels, say), given by their means and
     biased variances (G, C): for instance the IN statistics of a batch. Differentiable."""
@@ -79,23 +89,66 @@ def moments_from_sums(sums: MomentSums, min_count: float = torch.finfo(torch.flo
     """Mean and biased variance (float64) of pooled sums. The count is clamped at ``min_count`` (by
     default the smallest positive float64), so that an empty set gives zeros rather than NaN.
     Differentiable."""
-    count = sums.count.clamp(min=min_count)
-    while count.dim() < sums.total.dim():
-        count = count.unsqueeze(-1)
+    count = _per_row(sums.count.clamp(min=min_count), sums.total)
     mean = sums.total / count
     return mean, (sums.total_sq / count - mean.square()).clamp(min=0)
 
 
 def running_target(sums: MomentSums, unbiased: bool) -> tuple[Tensor, Tensor]:
     """The mean and the variance a running estimate stores for ``sums``: biased, or with Bessel's
-    correction (BatchNorm's convention; the variance of a single value is not stored, see ``_variance_seen``)."""
+    correction (BatchNorm's convention; the variance of a single value is not stored, see ``variance_seen``)."""
     mean, var = moments_from_sums(sums)
-    if unbiased:
-        count = sums.count
-        while count.dim() < var.dim():
-            count = count.unsqueeze(-1)
-        var = var * count / (count - 1).clamp(min=1)
-    return mean, var
+    return mean, _stored_variance(var, _per_row(sums.count, var), unbiased)
+
+
+def _stored_variance(var: Tensor, count: Tensor, unbiased: bool) -> Tensor:
+    """The biased variance ``var`` of ``count`` values as a running estimate stores it: as it is, or with
+    Bessel's correction."""
+    return var * count / (count - 1).clamp(min=1) if unbiased else var
+
+
+def variance_seen(count: Tensor, mixture: bool) -> Tensor:
+    """The rows of a batch of ``count`` values per row whose variance a running estimate takes: those with
+    more than one value, as one value has no spread (module docstring); for MN (``mixture``) any with
+    values, its estimate being the variance of the mixture of everything seen (to which one value
+    contributes its distance from the mean), and its counts gate weights rather than values."""
+    return count > 0 if mixture else count > 1
+
+
+def update_running_moments(
+    running_mean: Tensor,
+    running_var: Tensor,
+    num_batches_tracked: Tensor,
+    mean: Tensor,
+    var: Tensor,
+    count: Tensor,
+    momentum: Optional[float],
+    unbiased: bool,
+    mixture: bool,
+) -> None:
+    """Move the running statistics in place towards a batch's ``mean`` and biased ``var`` (shape S + (C,),
+    like the buffers) of ``count`` values (shape S, or ()) per row, by the module docstring's rule: the
+    factor ``momentum``, or 1 / num_batches_tracked for None; the mean where a row has values, the variance
+    where ``variance_seen``; Bessel's correction with ``unbiased``, the mixture's variance with ``mixture``;
+    ``num_batches_tracked`` counts the batch if any row has values. In float64; no value is read on the
+    host. ``running_kernels.store_running_moments`` is the same rule in the kernels."""
+    mean, var = mean.double(), var.double()
+    count = _per_row(count.double(), mean)
+    seen = count > 0
+    num_batches_tracked.add_(seen.any().long())
+    # torch.where rather than an `if`, and the cumulative factor as a tensor: a count pooled across
+    # processes, and num_batches_tracked, live on the device, and reading them would stall the host
+    if momentum is None:
+        factor = num_batches_tracked.double().clamp(min=1).reciprocal()
+    else:
+        factor = torch.full((), momentum, dtype=torch.float64, device=mean.device)
+    old_mean, old_var = running_mean.double(), running_var.double()
+    step = mean - old_mean
+    new_var = old_var + factor * (_stored_variance(var, count, unbiased) - old_var)
+    if mixture:
+        new_var = new_var + factor * (1 - factor) * step.square()
+    running_mean.copy_(torch.where(seen, old_mean + factor * step, old_mean))
+    running_var.copy_(torch.where(variance_seen(count, mixture), new_var, old_var))
 
 
 class MomentAccumulator:
@@ -136,16 +189,9 @@ def _is_replaying():
     return getattr(_replay, "active", False)
 
 
-def _per_row(mask: Tensor, target: Tensor) -> Tensor:
-    """``mask`` of shape S broadcast against a buffer of shape S + (C,)."""
-    while mask.dim() < target.dim():
-        mask = mask.unsqueeze(-1)
-    return mask
-
-
 class RunningMoments(NormBase):
     """A norm layer with running statistics and the batch average (module docstring); its options
-    include ``momentum``.
+    include ``momentum`` (a number in [0, 1], or None for the cumulative average).
 
     A subclass calls ``_register_running_moments(shape)`` in its constructor (or not at all, when a
     configuration has nothing to estimate, like SN without its BN branch: then tracking and the batch
@@ -192,24 +238,11 @@ class RunningMoments(NormBase):
         if self._batch_average is not None:
             self._batch_average.add(sums)
             return
-        mean, var = running_target(sums, self.unbiased_running_var)
-        old_mean, old_var = self.running_mean.double(), self.running_var.double()
-        new_var = old_var.lerp(var, self.momentum)
-        if self.mixture_running_var:
-            new_var = new_var + self.momentum * (1 - self.momentum) * (mean - old_mean).square()
-        # torch.where rather than an `if`: a count pooled across processes lives on the device, and
-        # reading it would stall the host at every layer
-        seen = sums.count > 0
-        self.running_mean.copy_(torch.where(_per_row(seen, mean), old_mean.lerp(mean, self.momentum), old_mean))
-        self.running_var.copy_(torch.where(_per_row(self._variance_seen(sums), var), new_var, old_var))
-        self.num_batches_tracked.add_(seen.any().long())
-
-    def _variance_seen(self, sums: MomentSums) -> Tensor:
-        """The rows of ``sums`` whose variance the estimate takes: those with more than one value, as one
-        value has no spread (module docstring); for MN any with values, its estimate being the variance of
-        the mixture of everything seen (to which one value contributes its distance from the mean), and
-        its counts gate weights rather than values."""
-        return sums.count > 0 if self.mixture_running_var else sums.count > 1
+        mean, var = moments_from_sums(sums)
+        update_running_moments(
+            self.running_mean, self.running_var, self.num_batches_tracked, mean, var, sums.count, self.momentum,
+            self.unbiased_running_var, self.mixture_running_var,
+        )
 
     def start_batch_average(self) -> None:
         """From now on, training-mode forwards pool their statistics instead of moving the running ones."""
@@ -231,7 +264,8 @@ class RunningMoments(NormBase):
         seen = sums.count > 0
         with torch.no_grad():
             self.running_mean.copy_(torch.where(_per_row(seen, mean), mean, self.running_mean.double()))
-            self.running_var.copy_(torch.where(_per_row(self._variance_seen(sums), var), var, self.running_var.double()))
+            var_seen = _per_row(variance_seen(sums.count, self.mixture_running_var), var)
+            self.running_var.copy_(torch.where(var_seen, var, self.running_var.double()))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         version = local_metadata.get("version")

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .options import FRACTION, POSITIVE
+from .options import MOMENTUM, POSITIVE
 from .running import RunningMoments, group_sums, moments_from_sums
 from . import passes
 from .skewness_kernels import SkewnessKernels, skewness_reduced
@@ -67,10 +67,10 @@ def signed_power(z: Tensor, p: float) -> Tensor:
 class SkewnessReducedBatchNorm2d(RunningMoments):
     """BNSR over (N, C, H, W) inputs; drop-in for ``BatchNorm2d`` (same parameters and buffers)."""
 
-    option_rules = {"p": POSITIVE, "eps": POSITIVE, "momentum": FRACTION}
+    option_rules = {"p": POSITIVE, "eps": POSITIVE, "momentum": MOMENTUM}
     unbiased_running_var = True
 
-    def __init__(self, num_channels: int, *, p: float = 1.01, eps: float = 1e-5, momentum: float = 0.1):
+    def __init__(self, num_channels: int, *, p: float = 1.01, eps: float = 1e-5, momentum: Optional[float] = 0.1):
         super().__init__(num_channels, p=p, eps=eps, momentum=momentum)
         self._register_running_moments(num_channels)
         self.reset_parameters()

@@ -14,7 +14,8 @@ b = q = 0. The launches:
 
 - training forward: ``triton_kernels.moments`` (the IN moments of every (n, c)); one program per block of
   channels pools them into the batch's mean and biased variance (two-pass, so exact whatever the
-  mean-to-spread ratio), moves the running statistics (unbiased variance, as BatchNorm) and writes mu, r;
+  mean-to-spread ratio), moves the running statistics (unbiased variance, as BatchNorm;
+  ``running_kernels``) and writes mu, r;
   one elementwise pass writes y. In evaluation the elementwise pass reads the running statistics itself:
   one launch.
 - backward: one pass reads (grad_y, x) for the per-(n, c) sums of grad_y phi', grad_y phi' z,
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor
 
 from . import fused, triton_kernels
+from .running_kernels import running_factor, store_running_moments
 from .triton_kernels import _output_like, _tile_of_program, _tile_offsets, _tile_shape, cdiv, launch, next_pow2, tl, triton
 
 _BLOCK_N = 32
@@ -65,10 +67,11 @@ if triton is not None:
     @triton.jit
     def _batch_statistics_kernel(
         moments_ptr, running_mean_ptr, running_var_ptr, tracked_ptr, mu_ptr, r_ptr,
-        N, C, eps, momentum, bessel,
-        UPDATE_VAR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+        N, C, eps, momentum, count,
+        BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        # the moments block's rows: the IN means and variances (``triton_kernels.MapPasses``)
+        # the moments block's rows: the IN means and variances (``triton_kernels.MapPasses``) of a batch of
+        # ``count`` values per channel
         mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
         pid = tl.program_id(0)
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -89,13 +92,10 @@ if triton is not None:
         var = var / N
         tl.store(mu_ptr + cols, mu, mask=col_mask)
         tl.store(r_ptr + cols, 1.0 / tl.sqrt(var + eps), mask=col_mask)
-        old = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        tl.store(running_mean_ptr + cols, old + momentum * (mu - old), mask=col_mask)
-        if UPDATE_VAR:  # a batch of one value per channel has no spread to record
-            old = tl.load(running_var_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            tl.store(running_var_ptr + cols, old + momentum * (var * bessel - old), mask=col_mask)
-        if pid == 0:
-            tl.store(tracked_ptr, tl.load(tracked_ptr) + 1)
+        average_factor = running_factor(tracked_ptr, momentum, 1)
+        store_running_moments(
+            running_mean_ptr, running_var_ptr, cols, col_mask, mu, var, count, average_factor, None, True, False
+        )
 
     @triton.jit
     def _forward_kernel(
@@ -222,9 +222,8 @@ class SkewnessKernels:
         self.map_grid, self.reduce_grid = (n * c_blocks * hw_blocks,), (n * c_blocks,)
         small_block_c = _blocks(c)
         self.channel_grid = (cdiv(c, small_block_c),)
-        self.bessel = self.count / (self.count - 1) if self.count > 1 else 1.0
         from_variance = not self.batch_stats
-        self.statistics_constants = dict(UPDATE_VAR=self.count > 1, BLOCK_N=_BLOCK_N, BLOCK_C=small_block_c)
+        self.statistics_constants = dict(BLOCK_N=_BLOCK_N, BLOCK_C=small_block_c)
         self.map_constants = dict(
             FROM_VARIANCE=from_variance, CHANNELS_LAST=self.channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw
         )
@@ -243,7 +242,7 @@ class SkewnessKernels:
         n, c = self.moments.vector_shape
         mu, r = moments.new_empty(c), moments.new_empty(c)
         launch(_batch_statistics_kernel, self.channel_grid, (moments, *running, mu, r, n, c, layer.eps,
-               layer.momentum, self.bessel), self.statistics_constants)  # fmt: skip
+               layer.momentum, float(self.count)), self.statistics_constants)  # fmt: skip
         fused.written_in_place(*running)
         return mu, r
 

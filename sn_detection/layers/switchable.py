@@ -15,8 +15,8 @@ Choices the paper leaves open, and how they are settled here:
   ``running_mean`` / ``running_var``. In training they follow PyTorch's momentum convention,
   ``running = (1 - momentum) * running + momentum * batch`` (the original code's ``momentum=0.9`` is
   the opposite convention, i.e. 0.1 here), and store the *biased* batch variance, the one the layer
-  normalizes with (PyTorch's BatchNorm stores the unbiased one). Momentum ``None`` (cumulative average)
-  is not supported; the batch average below serves that purpose.
+  normalizes with (PyTorch's BatchNorm stores the unbiased one). Momentum ``None`` is BatchNorm's
+  cumulative average (momentum 1 / num_batches_tracked: every batch weighs the same).
 - The paper's "batch average" (Sec. 2.1, Inference) is the protocol ``start_batch_average()`` /
   ``finish_batch_average()``: in between, training-mode forwards pool the exact per-channel sums of
   the BN branch instead of updating the moving average, and ``finish`` stores their mean and variance
@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from . import passes
 from .fused import FusedPlan
-from .options import BOOLEAN, FRACTION, POSITIVE
+from .options import BOOLEAN, MOMENTUM, POSITIVE
 from .running import MomentSums, RunningMoments, group_sums, moments_from_sums
 from .statistics import MomentNormalizer, affine_from_moments, layer_moments
 from .switchable_kernels import SwitchableClosedForms, SwitchableKernels
@@ -57,10 +57,10 @@ from .switchable_kernels import SwitchableClosedForms, SwitchableKernels
 class SwitchableNorm2d(MomentNormalizer, RunningMoments):
     """Switchable Normalization over (N, C, H, W) inputs; see the module docstring."""
 
-    option_rules = {"eps": POSITIVE, "momentum": FRACTION, "use_bn": BOOLEAN}
+    option_rules = {"eps": POSITIVE, "momentum": MOMENTUM, "use_bn": BOOLEAN}
     gate_parameters = ("mean_weight", "var_weight")
 
-    def __init__(self, num_channels: int, *, eps: float = 1e-5, momentum: float = 0.1, use_bn: bool = True):
+    def __init__(self, num_channels: int, *, eps: float = 1e-5, momentum: Optional[float] = 0.1, use_bn: bool = True):
         super().__init__(num_channels, eps=eps, momentum=momentum, use_bn=use_bn)
         num_branches = 3 if use_bn else 2
         self.mean_weight = nn.Parameter(torch.empty(num_branches))

@@ -40,7 +40,7 @@ d sum_sq / dm = 2 m HW, d sum_sq / dv = HW), in float64, where their large parts
 two all-reduces per training step.
 
 Both versions compute the BN branch like the LN one, two-pass in the statistics dtype, and move the running
-statistics in place (``running``'s rules: the variance only for batches of more than one value per channel).
+statistics in place by ``running``'s rule (``running_kernels`` in the kernels).
 
 Programs. Each program owns BLOCK_C channels: their BN statistics, running statistics and parameter
 gradients are its own; the sums over channels (LN statistics, sum_c G and sum_c H) it recomputes for every
@@ -67,6 +67,8 @@ from torch import Tensor
 
 from .fused import written_in_place
 from .passes import TorchPasses
+from .running import update_running_moments
+from .running_kernels import running_factor, store_running_moments
 from .triton_kernels import MapPasses, cdiv, launch, next_pow2, tl, triton
 
 _TILE = 2048  # elements of one [BLOCK_N, BLOCK_C] tile
@@ -151,36 +153,34 @@ if triton is not None:
 
     @triton.jit
     def _pooled_statistics(
-        pooled_ptr, running_mean_ptr, running_var_ptr, tracked_ptr, cols, col_mask, C, momentum, pid,
+        pooled_ptr, running_mean_ptr, running_var_ptr, tracked_ptr, cols, col_mask, C, momentum,
         UPDATE_RUNNING: tl.constexpr,
     ):
         # mean and biased variance of the pooled sums (float64, as ``running.moments_from_sums``), and the
-        # running statistics moved as ``running.RunningMoments._track`` does: the mean where some value was
-        # seen, the variance where more than one
+        # running statistics moved by them (``running_kernels``)
         count = tl.load(pooled_ptr)
         safe = tl.maximum(count, 2.2250738585072014e-308)
         mean = tl.load(pooled_ptr + 1 + cols, mask=col_mask, other=0.0) / safe
         var = tl.maximum(tl.load(pooled_ptr + 1 + C + cols, mask=col_mask, other=0.0) / safe - mean * mean, 0.0)
         if UPDATE_RUNNING:
-            old = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float64)
-            tl.store(running_mean_ptr + cols, tl.where(count > 0, old + momentum * (mean - old), old), mask=col_mask)
-            old = tl.load(running_var_ptr + cols, mask=col_mask, other=0.0).to(tl.float64)
-            tl.store(running_var_ptr + cols, tl.where(count > 1, old + momentum * (var - old), old), mask=col_mask)
-            if pid == 0:
-                tl.store(tracked_ptr, tl.load(tracked_ptr) + (count > 0).to(tl.int64))
+            average_factor = running_factor(tracked_ptr, momentum, (count > 0).to(tl.int64))
+            store_running_moments(
+                running_mean_ptr, running_var_ptr, cols, col_mask, mean, var, count, average_factor, None, False, False
+            )
         return mean.to(tl.float32), var.to(tl.float32)
 
     @triton.jit
     def _forward_kernel(
         moments_ptr, weight_ptr, bias_ptr, mean_logits_ptr, var_logits_ptr,
         running_mean_ptr, running_var_ptr, tracked_ptr, pooled_ptr, affine_ptr,
-        N, C, eps, momentum,
+        N, C, eps, momentum, count,
         NUM_BRANCHES: tl.constexpr, BN_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
-        UPDATE_VAR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        # BN_SOURCE: BATCH (this batch), RUNNING (the running statistics) or POOLED (the sums of every
-        # process, float64 [count, sum of x (C), sum of x^2 (C)] at pooled_ptr). The blocks (``MapPasses``):
-        # moments (mean, variance), affine (scale, shift, then this kernel's statistics for the backward)
+        # BN_SOURCE: BATCH (this batch, of ``count`` values per channel), RUNNING (the running statistics) or
+        # POOLED (the sums of every process, float64 [count, sum of x (C), sum of x^2 (C)] at pooled_ptr). The
+        # blocks (``MapPasses``): moments (mean, variance), affine (scale, shift, then this kernel's statistics
+        # for the backward)
         mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
         scale_ptr, shift_ptr, stats_ptr = affine_ptr, affine_ptr + N * C, affine_ptr + 2 * N * C
         pid = tl.program_id(0)
@@ -199,7 +199,7 @@ if triton is not None:
         if NUM_BRANCHES == 3:
             if BN_SOURCE == POOLED:
                 k_bn, var_bn = _pooled_statistics(
-                    pooled_ptr, running_mean_ptr, running_var_ptr, tracked_ptr, cols, col_mask, C, momentum, pid,
+                    pooled_ptr, running_mean_ptr, running_var_ptr, tracked_ptr, cols, col_mask, C, momentum,
                     UPDATE_RUNNING,
                 )
             elif BN_SOURCE == BATCH:
@@ -220,13 +220,11 @@ if triton is not None:
                     var_bn += tl.sum(v + deviation * deviation, 0)
                 var_bn = var_bn / N
                 if UPDATE_RUNNING:
-                    old = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                    tl.store(running_mean_ptr + cols, old + momentum * ((k_bn + d_bn) - old), mask=col_mask)
-                    if UPDATE_VAR:  # a batch of one value per channel has no spread to record
-                        old = tl.load(running_var_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                        tl.store(running_var_ptr + cols, old + momentum * (var_bn - old), mask=col_mask)
-                    if pid == 0:
-                        tl.store(tracked_ptr, tl.load(tracked_ptr) + 1)
+                    average_factor = running_factor(tracked_ptr, momentum, 1)
+                    store_running_moments(
+                        running_mean_ptr, running_var_ptr, cols, col_mask, k_bn + d_bn, var_bn, count,
+                        average_factor, None, False, False,
+                    )
             else:
                 k_bn = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
                 var_bn = tl.load(running_var_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -441,13 +439,9 @@ class SwitchableKernels:
         block_n, block_c = _blocks(n, c)
         self.grid = (cdiv(c, block_c),)
         self.stats_size = 3 * n + 3 * c  # what backward needs: k_ln, d_ln, var_ln (N each), k_bn, d_bn, var_bn (C each)
+        self.count = float(n * h * w)  # values per channel of this process's batch (pooled sums hold their own)
         constants = dict(NUM_BRANCHES=3 if layer.use_bn else 2, BLOCK_N=block_n, BLOCK_C=block_c)
-        # a batch of one value per channel moves the running mean only (``running``); pooled sums know
-        # their count on the device
-        self.forward_constants = dict(
-            BN_SOURCE=self.bn_source, UPDATE_RUNNING=self.bn_source != _RUNNING, UPDATE_VAR=pooled or n * h * w > 1,
-            **constants,
-        )  # fmt: skip
+        self.forward_constants = dict(BN_SOURCE=self.bn_source, UPDATE_RUNNING=self.bn_source != _RUNNING, **constants)
         self.backward_constants = dict(BN_GRAD=self.bn_source, **constants)
         self.sums_constants = dict(BLOCK_N=block_n, BLOCK_C=block_c)
 
@@ -457,7 +451,7 @@ class SwitchableKernels:
         running = layer.running_buffers() if layer.use_bn else (moments,) * 3
         pooled = self._pooled_sums(moments) if self.bn_source == _POOLED else moments  # read only when pooled
         launch(_forward_kernel, self.grid, (moments, *parameters, *running, pooled, affine, n, c, layer.eps,
-               layer.momentum), self.forward_constants)  # fmt: skip
+               layer.momentum, self.count), self.forward_constants)  # fmt: skip
         if self.bn_source != _RUNNING:
             written_in_place(*running)
         return affine, pooled
@@ -500,7 +494,7 @@ class SwitchableClosedForms:
         n, _, h, w = x.shape
         self.spatial = h * w
         self.batch_stats = layer.training and layer.use_bn
-        self.update_var = n * h * w > 1
+        self.count = float(n * h * w)
 
     def forward(self, layer, parameters, moments):
         mean, var = moments[0], moments[1]
@@ -517,7 +511,8 @@ class SwitchableClosedForms:
                 mu_bn = mean.mean(0)
                 to_bn = mu_bn - mean
                 var_bn = var.mean(0) + to_bn.square().mean(0)
-                self._track(layer, running, mu_bn, var_bn)
+                count = mean.new_full((), self.count)
+                update_running_moments(*running, mu_bn, var_bn, count, layer.momentum, False, False)
             else:
                 to_bn = running_mean.to(mean.dtype) - mean
                 var_bn = running_var.to(mean.dtype)
@@ -526,13 +521,6 @@ class SwitchableClosedForms:
         scale = weight.to(mean.dtype) * r
         shift = bias.to(mean.dtype) - offset * scale
         return (scale, shift), (r, offset, to_ln, var_ln, to_bn, var_bn, a, b)
-
-    def _track(self, layer, running, mean: Tensor, var: Tensor) -> None:
-        running_mean, running_var, tracked = running
-        running_mean.lerp_(mean.to(running_mean.dtype), layer.momentum)
-        if self.update_var:  # a batch of one value per channel has no spread to record
-            running_var.lerp_(var.to(running_var.dtype), layer.momentum)
-        tracked.add_(1)
 
     def backward(self, layer, parameters, moments, affine, saved, sums):
         mean, var = moments[0], moments[1]

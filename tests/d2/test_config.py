@@ -74,6 +74,19 @@ def test_out_of_range_values_fail_when_the_model_is_built(key, value, valid):
         build_model(cfg)
 
 
+def test_momentum_none_is_the_cumulative_average_from_a_file_and_the_command_line(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("MODEL:\n  SN:\n    MOMENTUM: null\n")
+    cfg = tiny_cfg("SN", "fpn")
+    cfg.merge_from_file(str(config))
+    assert cfg.MODEL.SN.MOMENTUM is None
+    cfg.merge_from_list(["MODEL.SN.MOMENTUM", "0.2", "MODEL.SN.MOMENTUM", "None"])
+    assert cfg.MODEL.SN.MOMENTUM is None
+    validate_sn_config(cfg)
+    layers = [module for module in build_model(cfg).modules() if type(module).__name__ == "SwitchableNorm2d"]
+    assert layers and all(layer.momentum is None for layer in layers)
+
+
 def test_values_of_the_wrong_type_are_named():
     cfg = tiny_cfg("SN")
     cfg.MODEL.SN.USE_BN = 1  # yacs checks types on merge only; code can still set anything

@@ -32,14 +32,14 @@ _TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16
 
 
 def signature(kernel, args, meta):
-    """What Triton's JIT compiles for these arguments: pointer and scalar types, integers equal to 1 and
-    the keyword arguments as constants."""
+    """What Triton's JIT compiles for these arguments: pointer and scalar types, None, integers equal to 1
+    and the keyword arguments as constants."""
     names = kernel.arg_names
     types, constants = {}, {name: value for name, value in meta.items() if name in names}
     for name, value in zip(names, args):
         if isinstance(value, torch.Tensor):
             types[name] = _TYPES[value.dtype]
-        elif isinstance(value, bool) or (isinstance(value, int) and value == 1):
+        elif value is None or isinstance(value, bool) or (isinstance(value, int) and value == 1):
             constants[name] = value
         elif isinstance(value, int):
             types[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
@@ -71,6 +71,7 @@ def recorded_launches():
                 x = torch.randn(2, 24, 3, 5).contiguous(memory_format=layout).requires_grad_()
                 layer = build_norm("SyncSN", 24)
                 layer(x).backward(torch.ones_like(x))
+            build_norm("SyncSN", 24, momentum=None)(x).backward(torch.ones_like(x))
         for name in NORM_NAMES:
             big = (2, 2048, 1, 1) if name == "DN" else (70, 96, 1, 1)  # DN: several channel chunks
             for dtype, layout, shape, modes in (
@@ -89,6 +90,9 @@ def recorded_launches():
                     layer(x).backward(torch.ones_like(x))  # no gradient for x: a frozen stem's input
                     x.requires_grad_()
                     layer(x).backward(torch.ones_like(x))
+            if "momentum" in norm_options(name):  # the cumulative average: momentum None, a constant
+                x = torch.randn(2, 64, 3, 5, requires_grad=True)
+                build_norm(name, 64, momentum=None)(x).backward(torch.ones_like(x))
     finally:
         triton_kernels.launch_observer = previous
     return list(seen.values())

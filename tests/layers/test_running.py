@@ -1,6 +1,8 @@
 """The base's extension for every layer with running statistics (running.RunningMoments): torch's reset methods,
-one error message for an empty batch average, exact weighted and per-mode pooling, and state dicts of
-earlier versions that still load."""
+one error message for an empty batch average, exact weighted and per-mode pooling, state dicts of earlier
+versions that still load, and momentum None as BatchNorm's cumulative average (eager and scripted)."""
+
+import copy
 
 import pytest
 import torch
@@ -101,3 +103,55 @@ def test_a_state_dict_of_this_version_must_be_complete():
     del state["num_batches_tracked"]
     with pytest.raises(RuntimeError, match="num_batches_tracked"):
         build_norm("DN", 8).load_state_dict(state)
+
+
+def batch_norms_cumulative_average(batches, channels):
+    """torch's BatchNorm2d(momentum=None) after ``batches``: the oracle of the cumulative average."""
+    bn = torch.nn.BatchNorm2d(channels, momentum=None).double().train()
+    for x in batches:
+        bn(x.double())
+    return bn
+
+
+@pytest.mark.parametrize("name", WITH_RUNNING_STATISTICS)
+def test_momentum_none_is_batch_norms_cumulative_average(name):
+    channels, generator = 8, torch.Generator().manual_seed(0)
+    # one batch size, so that the average of biased variances is the unbiased one's times (count - 1) / count
+    batches = [torch.randn(3, channels, 4, 5, generator=generator) * (1 + k) + k for k in range(4)]
+    options = {"num_modes": 1} if name == "MN" else {}  # one mode is BN
+    layer = build_norm(name, channels, momentum=None, **options).train()
+    with torch.no_grad():
+        for x in batches:
+            layer(x)
+    bn = batch_norms_cumulative_average(batches, channels)
+    count = 3 * 4 * 5
+    if name == "BNSR":  # BatchNorm's unbiased variance
+        expected_var = bn.running_var
+    elif name == "MN":  # the variance of the mixture of every batch seen, equally weighted: of their concatenation
+        expected_var = torch.cat(batches).double().var((0, 2, 3), unbiased=False)
+    else:
+        expected_var = bn.running_var * (count - 1) / count
+    assert layer.num_batches_tracked == bn.num_batches_tracked == len(batches)
+    torch.testing.assert_close(layer.running_mean.double().view(-1), bn.running_mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.running_var.double().view(-1), expected_var, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", WITH_RUNNING_STATISTICS)
+def test_momentum_must_be_a_fraction_or_none(name):
+    assert build_norm(name, 8, momentum=None).momentum is None
+    with pytest.raises(ValueError, match=r"momentum=1\.5 is invalid: it must be a number in \[0, 1\].*or None"):
+        build_norm(name, 8, momentum=1.5)
+
+
+@pytest.mark.parametrize("name", ["SN", "DN", "MN", "BNSR"])
+def test_a_scripted_layer_keeps_the_cumulative_average(name):
+    eager = build_norm(name, 8, momentum=None).train()
+    scripted = torch.jit.script(copy.deepcopy(eager))
+    generator = torch.Generator().manual_seed(0)
+    for k in range(3):
+        x = torch.randn(2, 8, 3, 3, generator=generator) + k
+        with torch.no_grad():
+            eager(x)
+            scripted(x)
+    for key in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(scripted, key), getattr(eager, key), msg=key)
