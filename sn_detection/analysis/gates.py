@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import ModeGroupNorm2d, ModeNorm2d
-from ..layers.statistics import stat_dtype
+from ..layers.map_passes import stat_dtype
 from .choices import ModeGates, mode_layers
 
 

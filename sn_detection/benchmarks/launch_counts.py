@@ -1,6 +1,6 @@
 """Kernel launches, allocations and host synchronisations of every layer's training step (forward + backward,
 gradients set to None first) and inference forward, next to torch's GroupNorm and BatchNorm
-(``sn_detection.layers.launches``). On a GPU each launch costs microseconds of host time, so this is what
+(``sn_detection.layers.launch_counts``). On a GPU each launch costs microseconds of host time, so this is what
 makes a layer host-bound there; counted on any machine:
 
     tools/count_launches.py [--device cuda] [--json counts.json] [--host-time [--baseline REF]]
@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from ..engine.arguments import create_folder_of, output_file, positive_int
-from ..layers import NORM_NAMES, build_norm, passes
-from ..layers.launches import layer_counts, skipped_launches
+from ..layers import NORM_NAMES, build_norm, map_passes
+from ..layers.kernel_launch import skipped_launches
+from ..layers.launch_counts import layer_counts
 from .baseline import baseline_layers, baseline_twin
 from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, range_text, ratio_to
 
@@ -35,7 +36,7 @@ from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, range_te
 def host_times(device: torch.device, rounds: int, shape=(2, 256, 6, 6), steps: int = 100, baseline=None) -> dict:
     """Per layer (torch's GroupNorm(32), then every name of ``build_norm``): seconds of one training forward +
     backward (gradients set to None first, ``"train"``) and of one evaluation forward without gradients
-    (``"eval"``), averaged over ``steps``, with the Triton launches skipped (``launches.skipped_launches``;
+    (``"eval"``), averaged over ``steps``, with the Triton launches skipped (``kernel_launch.skipped_launches``;
     torch's GroupNorm runs whole), as ``timing.ratio_to`` summarises ``rounds`` interleaved rounds, on one
     intra-op thread. On the CPU the seconds are this process's CPU time, the host's work whatever else the
     machine runs; on CUDA wall time with the device synchronised around each round's steps. What the layers
@@ -86,13 +87,23 @@ def host_times(device: torch.device, rounds: int, shape=(2, 256, 6, 6), steps: i
         with contextlib.ExitStack() as stack:
             stack.enter_context(skipped_launches())
             if baseline is not None:
-                launches = importlib.import_module(baseline[1].__name__ + ".launches")
-                stack.enter_context(launches.skipped_launches())
+                stack.enter_context(_baseline_skipped_launches(baseline[1]))
             train = interleaved_seconds(training, range(WARMUP_ROUNDS + rounds), training_steps)
             evaluate = interleaved_seconds(evaluation, range(WARMUP_ROUNDS + rounds), evaluation_forwards)
     finally:
         torch.set_num_threads(threads)
     return {"train": ratio_to(train, "torch GN(32)"), "eval": ratio_to(evaluate, "torch GN(32)")}
+
+
+def _baseline_skipped_launches(package):
+    """The baseline package's own ``skipped_launches`` context: in its ``kernel_launch`` module, or in its
+    ``launches`` module in commits before that existed."""
+    for module in ("kernel_launch", "launches"):
+        try:
+            return importlib.import_module(f"{package.__name__}.{module}").skipped_launches()
+        except (ImportError, AttributeError):
+            continue
+    raise ValueError(f"the baseline {package.__name__} has no skipped_launches")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,7 +130,7 @@ def main(argv: Optional[Sequence[str]] = None):
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.host_time and not passes.kernel_path(torch.empty(1, 1, 1, 1, device=device)):
+    if args.host_time and not map_passes.kernel_path(torch.empty(1, 1, 1, 1, device=device)):
         parser.error(f"--host-time needs the kernel path, which {device.type} tensors do not take here: "
                      "a CUDA device, or the CPU with TRITON_INTERPRET=1 in the kernel-test environment")
     rows = layer_counts(device)

@@ -1,4 +1,4 @@
-"""What launching the compiled kernels directly saves (``layers.compiled_launch``): each learned layer's training
+"""What launching the compiled kernels directly saves (``layers.kernel_launch``): each learned layer's training
 step (forward + backward, gradients set to None first) through Triton's ordinary launch path and through the
 direct one, side by side, with their ratio. CUDA only: elsewhere there is no direct launch.
 
@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..engine.arguments import create_folder_of, output_file, positive_int
-from ..layers import NORM_NAMES, build_norm, compiled_launch, triton_kernels
+from ..layers import NORM_NAMES, build_norm, kernel_launch
 from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, range_text, ratio_to
 
 PATHS = ("ordinary", "direct")
@@ -48,12 +48,12 @@ def launch_path_times(
                 layer(x).backward(grad_y)
 
         if path == "ordinary":
-            with compiled_launch.ordinary_launches():
+            with kernel_launch.ordinary_launches():
                 return device_seconds(run, x.device) / steps
-        direct, ordinary = compiled_launch.counts.direct, compiled_launch.counts.ordinary
+        direct, ordinary = kernel_launch.counts.direct, kernel_launch.counts.ordinary
         seconds = device_seconds(run, x.device) / steps
-        direct_launches[name] += compiled_launch.counts.direct - direct
-        all_launches[name] += compiled_launch.counts.direct - direct + compiled_launch.counts.ordinary - ordinary
+        direct_launches[name] += kernel_launch.counts.direct - direct
+        all_launches[name] += kernel_launch.counts.direct - direct + kernel_launch.counts.ordinary - ordinary
         return seconds
 
     candidates = {(name, path): (name, path) for name in names for path in PATHS}
@@ -90,11 +90,11 @@ def main(argv: Optional[Sequence[str]] = None):
         shape = []
     if len(shape) != 4 or min(shape) < 1:
         parser.error(f"--shape {args.shape!r}: four sizes >= 1, N,C,H,W")
-    if not torch.cuda.is_available() or not triton_kernels.available() or triton_kernels.interpreting():
+    if not torch.cuda.is_available() or not kernel_launch.available() or kernel_launch.interpreting():
         parser.error("the direct launch needs a CUDA device and Triton, without TRITON_INTERPRET=1")
-    if not compiled_launch.version_supported():
-        versions = ", ".join(compiled_launch.TRITON_VERSIONS)
-        parser.error(f"Triton {triton_kernels.triton.__version__} is none of {versions}: every launch takes the "
+    if not kernel_launch.version_supported():
+        versions = ", ".join(kernel_launch.TRITON_VERSIONS)
+        parser.error(f"Triton {kernel_launch.triton.__version__} is none of {versions}: every launch takes the "
                      "ordinary path here")  # fmt: skip
     results = launch_path_times(names, shape, args.rounds)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {'x'.join(map(str, shape))}, "

@@ -1,6 +1,6 @@
 """The one base of every layer of this package, as torch's ``_NormBase`` is for its BatchNorms: ``NormBase``
 owns what every layer does alike, and its extensions add what only some do (``running.RunningMoments``:
-running statistics and the batch average; ``statistics.MomentNormalizer``: the forward of the layers
+running statistics and the batch average; ``moment_normalizer.MomentNormalizer``: the forward of the layers
 whose statistics derive from the IN moments).
 
 Construction. A layer takes the channel count first and its options as keyword-only parameters, and lists
@@ -67,7 +67,7 @@ from typing import ClassVar, Mapping
 import torch
 from torch import Tensor, nn
 
-from . import passes
+from . import map_passes
 from .options import Rule, check_num_channels, check_options
 
 IDENTITY_KEY = "_extra_state"  # where torch saves get_extra_state(), after the module's prefix
@@ -162,7 +162,8 @@ class NormBase(nn.Module):
     def call_plan(self, x: Tensor):
         """The plan of this layer for inputs like ``x`` (module docstring): ``make_call_plan(x)``'s on the
         first call with x's shape, dtype, device, strides, training mode and ``plan_context()``, kept for
-        the next ones. The first plan for a CUDA tensor without Triton 3 warns (``passes.warn_if_kernels_off``)."""
+        the next ones. The first plan for a CUDA tensor without Triton 3 warns
+        (``map_passes.warn_if_kernels_off``)."""
         key = (x.shape, x.dtype, x.device, x.stride(), self.training, self.plan_context())
         plans = self.__dict__.get(_PLANS)
         if plans is None:
@@ -172,7 +173,7 @@ class NormBase(nn.Module):
         except KeyError:
             pass
         plan = self.make_call_plan(x)  # may raise (bad input): nothing is kept then
-        passes.warn_if_kernels_off(x)  # here, on a new signature, rather than on every call
+        map_passes.warn_if_kernels_off(x)  # here, on a new signature, rather than on every call
         if len(plans) >= _MAX_CALL_PLANS:
             del plans[next(iter(plans))]  # the oldest
         plans[key] = plan

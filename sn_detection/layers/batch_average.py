@@ -50,8 +50,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .map_passes import stat_dtype
 from .running import MomentAccumulator, group_sums, running_target
-from .statistics import stat_dtype
 
 logger = logging.getLogger(__name__)
 

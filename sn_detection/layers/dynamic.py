@@ -71,11 +71,11 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from . import passes
+from . import map_passes
 from .dynamic_kernels import DynamicKernels
 from .options import BOOLEAN, MOMENTUM, POSITIVE, POSITIVE_INT, Rule
 from .running import RunningMoments, group_sums, moments_from_sums
-from .statistics import MomentNormalizer, affine_from_moments
+from .moment_normalizer import MomentNormalizer, affine_from_moments
 
 # Magnitude of the initial gate logits: the sign is the initial gate; an optimizer step has to move a
 # logit by this much before its gate flips.
@@ -218,7 +218,7 @@ class DynamicNorm2d(MomentNormalizer, RunningMoments):
 
     @torch.jit.unused
     def fused_plan(self, x: Tensor) -> Optional[DynamicKernels]:
-        if self._batch_average is not None or not passes.kernel_path(x):  # the batch average pools float64 sums
+        if self._batch_average is not None or not map_passes.kernel_path(x):  # the batch average pools float64 sums
             return None
         return DynamicKernels(self, x) if DynamicKernels.applies(self, x) else None
 

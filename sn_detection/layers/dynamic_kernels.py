@@ -1,4 +1,4 @@
-"""Dynamic Normalization's (N, C) statistics in one forward and two backward kernels (``fused``).
+"""Dynamic Normalization's (N, C) statistics in one forward and two backward kernels (``moment_normalizer``).
 
 Notation: m, v (N, C) the IN moments, P = H * W, b the hard batch gate and g_j the hard gate of channel
 level j (1[logit > 0], read from the logits on the device: no branch of the host depends on them), L the
@@ -59,7 +59,7 @@ at the hard value (where g (1 - g) Delta^2 still contributes (1 - 2g) Delta^2):
     dL/dg = sum_{n, c} [ G_M' Delta + G_V' X ],   X = W - V + (1 - 2g) Delta^2.
 
 The batch level in evaluation has a constant target: G_m = (1 - b) G_M1, G_v = (1 - b) G_V1. Then
-grad_x = grad_y * scale + (x - m) p + q with p = 2 G_v / P and q = G_m / P (``statistics``); the logits'
+grad_x = grad_y * scale + (x - m) p + q with p = 2 G_v / P and q = G_m / P (``moment_normalizer``); the logits'
 gradients are the gates' (the straight-through estimator's identity).
 
 Programs. The channel levels couple the channels of one sample, the batch level the samples of one
@@ -89,9 +89,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .fused import written_in_place
+from .kernel_launch import cdiv, launch, next_pow2, tl, triton
+from .map_passes import TritonPasses
+from .moment_normalizer import written_in_place
 from .running_kernels import running_factor, store_running_moments
-from .triton_kernels import MapPasses, cdiv, launch, next_pow2, tl, triton
 
 _MAX_CHUNK = 1024  # channels of one tile of the per-sample kernels
 _TILE = 2048  # elements of one [BLOCK_N, BLOCK_C] tile
@@ -143,7 +144,7 @@ if triton is not None:
         NUM_LEVELS: tl.constexpr, ODD: tl.constexpr, BATCH_STATS: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        # One program: BLOCK_N samples. The blocks (``MapPasses``): moments (m, v), affine (scale, shift,
+        # One program: BLOCK_N samples. The blocks (``map_passes``): moments (m, v), affine (scale, shift,
         # then the state planes). Planes of state_ptr, each (N, C): 0 Delta_b, 1 X_b; 2 + 2j, 3 + 2j the
         # state (O_j, V_j) before channel level j (j = L: the final one); 4 + 2L + 2j, 5 + 2L + 2j Delta_j,
         # X_j.
@@ -392,10 +393,10 @@ if triton is not None:
 
 
 class DynamicKernels:
-    """DN's fused (N, C) kernels for inputs of one signature (``fused.FusedPlan``)."""
+    """DN's fused (N, C) kernels for inputs of one signature (``moment_normalizer.FusedPlan``)."""
 
     def __init__(self, layer, x: Tensor):
-        self.passes = MapPasses(x)
+        self.passes = TritonPasses(x)
         n, c, h, w = x.shape
         self.spatial = float(h * w)
         self.training = layer.training

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import NormBase
+from .map_passes import stat_dtype
+from .moment_normalizer import check_input
 from .options import POSITIVE, POSITIVE_INT
-from .statistics import check_input, stat_dtype
 
 
 class GroupNorm2d(NormBase, nn.GroupNorm):

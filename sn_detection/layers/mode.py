@@ -64,11 +64,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import passes
+from . import map_passes
 from .mode_kernels import ModeGroupKernels, ModeKernels
 from .options import MOMENTUM, POSITIVE, POSITIVE_INT
 from .running import RunningMoments, mode_sums, moments_from_sums
-from .statistics import MomentNormalizer
+from .moment_normalizer import MomentNormalizer
 
 # Floor for MN's total gate weight of a mode, N_k (in samples).
 _MIN_MODE_WEIGHT = 1e-6
@@ -129,7 +129,8 @@ class ModeNorm2d(MomentNormalizer, RunningMoments):
         else:
             mode_mean, mode_var = self.running_mean.to(dtype), self.running_var.to(dtype)
         # The per-sample mixture over modes folds into one scale and shift per (n, c), centred at the
-        # IN mean (``statistics``): sum_k g_nk (x - m_kc) inv_kc = (x - mean) * scale' - sum_k g_nk (m_kc - mean) inv_kc
+        # IN mean (``moment_normalizer``):
+        # sum_k g_nk (x - m_kc) inv_kc = (x - mean) * scale' - sum_k g_nk (m_kc - mean) inv_kc
         # Each mode's term is taken relative to that of the sample's most likely mode (the gates sum to 1,
         # so the value is the same): the gates' gradients are then differences between modes, which the
         # softmax's backward does not have to cancel.
@@ -148,7 +149,7 @@ class ModeNorm2d(MomentNormalizer, RunningMoments):
     def fused_plan(self, x: Tensor):
         """MN's fused kernels (``mode_kernels.ModeKernels``), or None: during a batch average (its sums pool
         in float64) and for more than ``mode_kernels.MAX_MODES`` modes."""
-        if self._batch_average is not None or not passes.kernel_path(x):
+        if self._batch_average is not None or not map_passes.kernel_path(x):
             return None
         return ModeKernels.create(self, x, _MIN_MODE_WEIGHT)
 
@@ -185,7 +186,7 @@ class ModeGroupNorm2d(MomentNormalizer):
         dtype = mean.dtype
         mode_mean, mode_var = self._sample_estimates(torch.log_softmax(self.gate_logits(mean), dim=2), mean, var)
         # Eq. 5: equal-weight average of the K normalized maps, folded into a scale and shift centred at
-        # the IN mean (``statistics``)
+        # the IN mean (``moment_normalizer``)
         inv_std = torch.rsqrt(mode_var + self.eps)
         weight = self.weight.to(dtype) / self.num_modes
         scale = weight * inv_std.sum(1, keepdim=True)
@@ -197,7 +198,7 @@ class ModeGroupNorm2d(MomentNormalizer):
     def fused_plan(self, x: Tensor):
         """MGN's fused kernels (``mode_kernels.ModeGroupKernels``), or None for more than
         ``mode_kernels.MAX_MODES`` modes."""
-        return ModeGroupKernels.create(self, x) if passes.kernel_path(x) else None
+        return ModeGroupKernels.create(self, x) if map_passes.kernel_path(x) else None
 
     @staticmethod
     def _sample_estimates(log_gates: Tensor, mean: Tensor, var: Tensor):

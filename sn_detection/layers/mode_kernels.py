@@ -1,11 +1,11 @@
 """Mode Normalization's and Mode Group Normalization's (N, C) statistics in one forward and one backward
-kernel each (``fused``; the layers and their notation are ``mode``'s).
+kernel each (``moment_normalizer``; the layers and their notation are ``mode``'s).
 
 Notation: m, v (N, C) are the IN moments, gamma, beta the affine, eps the variance's epsilon, K the modes;
 D = sum_HW grad_y (x - m) and S = sum_HW grad_y are the gradients of the output with respect to scale and
 shift, and the centring at m adds -scale * S to m's gradient. Every kernel returns p = 2 g_v / HW and
 q = g_m / HW, g_m and g_v the total gradients with respect to m and v, for
-grad_x = grad_y * scale + (x - m) p + q (``statistics``).
+grad_x = grad_y * scale + (x - m) p + q (``moment_normalizer``).
 
 MN, forward. Gates g_nk = softmax_k(z_n), z_n = W m_n + b (``gate``: W (K, C), b (K)). In training each
 mode pools the batch with weights g_nk; written with the shares s_nk = g_nk / N_k = softmax_n(log g_nk)
@@ -111,9 +111,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .fused import written_in_place
+from .kernel_launch import cdiv, launch, next_pow2, tl, triton
+from .map_passes import TritonPasses
+from .moment_normalizer import written_in_place
 from .running_kernels import running_factor, store_running_moments
-from .triton_kernels import MapPasses, cdiv, launch, next_pow2, tl, triton
 
 MAX_MODES = 16
 _TILE = 4096  # elements of one [BLOCK_N, BLOCK_C, BLOCK_K] tile
@@ -177,7 +178,7 @@ if triton is not None:
         BATCH_STATS: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        # The blocks (``MapPasses``): moments (m, v), affine (scale, shift, stats). stats: log g (N, K), log N_k
+        # The blocks (``map_passes``): moments (m, v), affine (scale, shift, stats). stats: log g (N, K), log N_k
         # (K), mu (K, C), var (K, C). Tiles [BLOCK_N, BLOCK_C, BLOCK_K]: the modes innermost; per-mode
         # statistics of the channels as [BLOCK_C, BLOCK_K]
         mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
@@ -417,7 +418,7 @@ if triton is not None:
         N, C, K, eps,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        # The blocks (``MapPasses``): moments (m, v), affine (scale, shift, stats). stats: mu (N, K), var (N, K),
+        # The blocks (``map_passes``): moments (m, v), affine (scale, shift, stats). stats: mu (N, K), var (N, K),
         # L (N, K). Tiles [BLOCK_N, BLOCK_C, BLOCK_K]: the modes innermost
         mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
         scale_ptr, shift_ptr, stats_ptr = affine_ptr, affine_ptr + N * C, affine_ptr + 2 * N * C
@@ -585,10 +586,10 @@ def _blocks(n: int, c: int, k: int, max_block_n: int, max_block_c: int = _MAX_BL
 
 
 class ModeKernels:
-    """MN's fused (N, C) kernels for inputs of one signature (``fused.FusedPlan``)."""
+    """MN's fused (N, C) kernels for inputs of one signature (``moment_normalizer.FusedPlan``)."""
 
     def __init__(self, layer, x: Tensor, min_mode_weight: float):
-        self.passes = MapPasses(x)
+        self.passes = TritonPasses(x)
         n, c, h, w = x.shape
         k = layer.num_modes
         self.spatial = float(h * w)
@@ -630,10 +631,10 @@ class ModeKernels:
 
 
 class ModeGroupKernels:
-    """MGN's fused (N, C) kernels for inputs of one signature (``fused.FusedPlan``)."""
+    """MGN's fused (N, C) kernels for inputs of one signature (``moment_normalizer.FusedPlan``)."""
 
     def __init__(self, layer, x: Tensor):
-        self.passes = MapPasses(x)
+        self.passes = TritonPasses(x)
         n, c, h, w = x.shape
         k = layer.num_modes
         self.spatial = float(h * w)

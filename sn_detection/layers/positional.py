@@ -12,7 +12,7 @@ statistics and training and evaluation behave identically. Choices:
   drop-in for BN / GN as a detectron2 norm type; it then equals detectron2's channel-wise ``LayerNorm``.
 - Statistics and normalization are computed in at least float32, and the output has the input's dtype.
 
-On the kernel path (``passes.kernel_path``: CUDA, or Triton's interpreter) the layer runs as one Triton
+On the kernel path (``map_passes.kernel_path``: CUDA, or Triton's interpreter) the layer runs as one Triton
 kernel forward and two backward (``positional_kernels``); elsewhere, and under TorchScript, as tensor
 operations, which are also the kernels' oracle in the tests.
 """
@@ -23,9 +23,10 @@ import torch
 from torch import Tensor
 
 from .base import NormBase
+from .map_passes import stat_dtype
+from .moment_normalizer import check_input
 from .options import POSITIVE
 from .positional_kernels import PositionalKernels, positional_norm, supports
-from .statistics import check_input, stat_dtype
 
 
 def pono(x: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor, Tensor]:

@@ -42,7 +42,7 @@ costs no digits.
 Types. x (and grad_y) float32, float16 or bfloat16, read directly; all arithmetic float32; full-size
 outputs rounded once to x's dtype. weight and bias float32, float16 or bfloat16 (read as float32). Any
 other case, float64 included, takes the layer's tensor path (``supports``). Under create_graph the
-backward replays the tensor path (``fused.replayed_gradients``) for a differentiable result.
+backward replays the tensor path (``moment_normalizer.replayed_gradients``) for a differentiable result.
 
 Nothing reads a value on the host: a training step can be captured in a CUDA graph.
 """
@@ -54,8 +54,9 @@ import functools
 import torch
 from torch import Tensor
 
-from . import fused, passes
-from .triton_kernels import _layout, _output_like, cdiv, launch, next_pow2, tl, triton
+from .kernel_launch import cdiv, launch, next_pow2, tl, triton
+from .map_passes import _layout, _output_like, kernel_path
+from .moment_normalizer import replayed_gradients
 
 _TILE = 2048  # elements of one [BLOCK_C, BLOCK_P] tile: 16 per thread at 4 warps
 _MAX_BLOCK_P = 128  # NCHW: contiguous pixels per program
@@ -187,10 +188,10 @@ if triton is not None:
 
 
 def supports(x: Tensor, weight: Tensor, bias: Tensor) -> bool:
-    """Whether the kernels take this call: x on the kernel path (``passes.kernel_path``) and not empty,
+    """Whether the kernels take this call: x on the kernel path (``map_passes.kernel_path``) and not empty,
     one sample and the pixels of the batch each indexable in int32, parameters of a kernel dtype on x's
     device."""
-    if not (passes.kernel_path(x) and x.numel() > 0):
+    if not (kernel_path(x) and x.numel() > 0):
         return False
     n, c, h, w = x.shape
     return (
@@ -286,7 +287,7 @@ class _PositionalNorm(torch.autograd.Function):
         needs_x, _, _, needs_weight, needs_bias = ctx.needs_input_grad
         if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
             replay = functools.partial(ctx.layer.replayed_forward, weight=weight, bias=bias)
-            grad_x, (grad_weight, grad_bias) = fused.replayed_gradients(
+            grad_x, (grad_weight, grad_bias) = replayed_gradients(
                 replay, x, (weight, bias), grad_y, needs_x, (needs_weight, needs_bias)
             )
             return grad_x, None, None, grad_weight, grad_bias

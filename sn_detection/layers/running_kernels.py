@@ -17,7 +17,7 @@ last program takes the tickets back and counts the batch. (With a number, progra
 
 from __future__ import annotations
 
-from .triton_kernels import tl, triton
+from .kernel_launch import tl, triton
 
 if triton is not None:
     _TICKET = tl.constexpr(1 << 32)

@@ -27,11 +27,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import map_passes
+from .map_passes import stat_dtype
+from .moment_normalizer import check_input, instance_moments, scale_shift
 from .options import MOMENTUM, POSITIVE
 from .running import RunningMoments, group_sums, moments_from_sums
-from . import passes
 from .skewness_kernels import SkewnessKernels, skewness_reduced
-from .statistics import check_input, instance_moments, scale_shift, stat_dtype
 
 
 class _SignedPower(torch.autograd.Function):
@@ -96,7 +97,7 @@ class SkewnessReducedBatchNorm2d(RunningMoments):
         """The kernels (``skewness_kernels``) for non-empty inputs on the kernel path; None (the autograd path)
         for the others and during a batch average (its sums pool in float64)."""
         check_input(x, self.num_channels)
-        if passes.kernel_path(x) and x.numel() > 0 and self._batch_average is None:
+        if map_passes.kernel_path(x) and x.numel() > 0 and self._batch_average is None:
             return SkewnessKernels(self, x)
         return None
 
@@ -107,14 +108,14 @@ class SkewnessReducedBatchNorm2d(RunningMoments):
 
     def _autograd_forward(self, x: Tensor) -> Tensor:
         """The layer in tensor operations with autograd: the oracle of the kernels, and the path wherever
-        they do not apply (``fused``)."""
+        they do not apply (``moment_normalizer``)."""
         mean, var = self._batch_statistics(x) if self.training else (self.running_mean, self.running_var)
         # buffers and parameters too: a model converted with .half() keeps fp16 ones
         dtype, (n, c) = stat_dtype(x), x.shape[:2]
         mean, var, weight, bias = (t.to(dtype).expand(n, c) for t in (mean, var, self.weight, self.bias))
         inv_std = torch.rsqrt(var + self.eps)
         zeros = torch.zeros_like(inv_std)
-        # centred at the batch mean, not folded into x * a + b: see ``statistics``
+        # centred at the batch mean, not folded into x * a + b: see ``moment_normalizer``
         z = scale_shift(x.to(dtype), inv_std, zeros, mean)
         y = scale_shift(signed_power(z, self.p), weight, bias, zeros)
         return y.to(x.dtype)

@@ -1,4 +1,4 @@
-"""BNSR's forward and backward as Triton kernels: three launches each in training (``fused``).
+"""BNSR's forward and backward as Triton kernels: three launches each in training (``moment_normalizer``).
 
 With per-channel mu, r = (var + eps)^(-1/2) (the batch's in training, the running ones in evaluation),
 z = (x - mu) r and phi_p(z) = sign(z) |z|^p (``skewness``):
@@ -12,7 +12,7 @@ backward applied to g = grad_y gamma phi_p'(z): grad_x = r (g - mean g - z mean(
 b = -r^2 mean(g z) and q = -r mean(g), the means over the channel's N * H * W values; in evaluation
 b = q = 0. The launches:
 
-- training forward: ``triton_kernels.moments`` (the IN moments of every (n, c)); one program per block of
+- training forward: ``map_passes.TritonPasses.moments`` (the IN moments of every (n, c)); one program per block of
   channels pools them into the batch's mean and biased variance (two-pass, so exact whatever the
   mean-to-spread ratio), moves the running statistics (unbiased variance, as BatchNorm;
   ``running_kernels``) and writes mu, r;
@@ -30,9 +30,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import fused, triton_kernels
+from .kernel_launch import cdiv, launch, next_pow2, tl, triton
+from .map_passes import TritonPasses, _output_like, _tile_of_program, _tile_offsets, _tile_shape
+from .moment_normalizer import replayed_gradients, written_in_place
 from .running_kernels import running_factor, store_running_moments
-from .triton_kernels import _output_like, _tile_of_program, _tile_offsets, _tile_shape, cdiv, launch, next_pow2, tl, triton
 
 _BLOCK_N = 32
 _MAX_BLOCK_C = 64
@@ -70,8 +71,8 @@ if triton is not None:
         N, C, eps, momentum, count,
         BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        # the moments block's rows: the IN means and variances (``triton_kernels.MapPasses``) of a batch of
-        # ``count`` values per channel
+        # the moments block's rows: the IN means and variances (``map_passes``) of a batch of ``count`` values
+        # per channel
         mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
         pid = tl.program_id(0)
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -213,7 +214,7 @@ class SkewnessKernels:
         n, c, h, w = x.shape
         self.count = n * h * w
         self.slope_at_zero = 1.0 if layer.p == 1 else 0.0  # ``skewness``: the slope's limit, finite
-        self.moments = triton_kernels.MapPasses(x)  # its layout check: x's
+        self.moments = TritonPasses(x)  # its layout check: x's
         self.channels_last = self.moments.channels_last
         self.memory_format = self.moments.memory_format
         block_c, block_hw = _tile_shape(c, h * w, self.channels_last)
@@ -243,7 +244,7 @@ class SkewnessKernels:
         mu, r = moments.new_empty(c), moments.new_empty(c)
         launch(_batch_statistics_kernel, self.channel_grid, (moments, *running, mu, r, n, c, layer.eps,
                layer.momentum, float(self.count)), self.statistics_constants)  # fmt: skip
-        fused.written_in_place(*running)
+        written_in_place(*running)
         return mu, r
 
     def forward(self, layer, x: Tensor, mu: Tensor, r: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
@@ -295,7 +296,7 @@ class _SkewnessReduced(torch.autograd.Function):
         x, weight, bias = ctx.saved_tensors
         needs = ctx.needs_input_grad
         if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
-            grad_x, grad_parameters = fused.replayed_gradients(
+            grad_x, grad_parameters = replayed_gradients(
                 ctx.layer.replayed_forward, x, (weight, bias), grad_y, needs[0], needs[3:]
             )
             return (grad_x, None, None, *grad_parameters)

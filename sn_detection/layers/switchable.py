@@ -3,7 +3,7 @@
     y = gamma * (x - sum_k w_k mu_k) / sqrt(sum_k w'_k var_k + eps) + beta,   k in [IN, LN, BN]
 
 with w = softmax(mean_weight), w' = softmax(var_weight) (Eq. 4; two independent softmaxes). The IN
-moments are computed once and LN / BN moments derived from them (Eq. 5, see ``statistics``); the
+moments are computed once and LN / BN moments derived from them (Eq. 5, see ``moment_normalizer``); the
 normalization and the affine are folded into one per-(n, c) scale and shift.
 
 Choices the paper leaves open, and how they are settled here:
@@ -46,11 +46,10 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
 
-from . import passes
-from .fused import FusedPlan
+from . import map_passes
 from .options import BOOLEAN, MOMENTUM, POSITIVE
 from .running import MomentSums, RunningMoments, group_sums, moments_from_sums
-from .statistics import MomentNormalizer, affine_from_moments, layer_moments
+from .moment_normalizer import FusedPlan, MomentNormalizer, affine_from_moments, layer_moments
 from .switchable_kernels import SwitchableClosedForms, SwitchableKernels
 
 
@@ -81,7 +80,7 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
         in training."""
         mean_ln, var_ln = layer_moments(mean_in, var_in)
         # the means as offsets from mean_in (IN's own offset is 0): differences of nearby values keep
-        # their digits, which the centred output needs (``statistics``)
+        # their digits, which the centred output needs (``moment_normalizer``)
         offsets, variances = [torch.zeros_like(mean_in), mean_ln - mean_in], [var_in, var_ln]
         if self.use_bn:
             mean_bn, var_bn = self._batch_branch(mean_in, var_in, spatial_size)
@@ -95,7 +94,7 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
     def fused_plan(self, x: Tensor) -> Optional[FusedPlan]:
         if self.use_bn and self._batch_average is not None:  # the batch average pools float64 sums
             return None
-        return SwitchableKernels(self, x) if passes.kernel_path(x) else SwitchableClosedForms(self, x)
+        return SwitchableKernels(self, x) if map_passes.kernel_path(x) else SwitchableClosedForms(self, x)
 
     def _batch_branch(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         if not self.training:
@@ -117,7 +116,7 @@ class SyncSwitchableNorm2d(SwitchableNorm2d):
     def fused_plan(self, x: Tensor) -> Optional[FusedPlan]:
         if not (self.training and self.use_bn and _several_processes()):
             return super().fused_plan(x)
-        if self._batch_average is not None or not passes.kernel_path(x):  # the autograd path's all-reduce
+        if self._batch_average is not None or not map_passes.kernel_path(x):  # the autograd path's all-reduce
             return None
         return SwitchableKernels(self, x, pooled=True)
 

@@ -1,5 +1,5 @@
-"""Switchable Normalization's (N, C) statistics and their gradients in closed form (``fused``): as one forward
-and one backward Triton kernel (``SwitchableKernels``: CUDA, Triton's interpreter) and as tensor operations
+"""Switchable Normalization's (N, C) statistics and their gradients in closed form (``moment_normalizer``): as
+one forward and one backward Triton kernel (``SwitchableKernels``: CUDA, Triton's interpreter) and as tensor operations
 (``SwitchableClosedForms``: every other device and float64, where they replace autograd through the small
 graph).
 
@@ -28,7 +28,7 @@ d var_ln / dm = 2 (m - mu_ln) / C, d var_ln / dv = 1 / C (the mean's own term ca
           + a_bn sum_n H / N + 2 b_bn sum_n G (m - mu_bn) / N - scale * S
     g_v = b_in G + b_ln sum_c G / C + b_bn sum_n G / N
 
-and grad_x = grad_y * scale + (x - m) p + q with p = 2 g_v / HW, q = g_m / HW (``statistics``).
+and grad_x = grad_y * scale + (x - m) p + q with p = 2 g_v / HW, q = g_m / HW (``moment_normalizer``).
 
 SyncSN across several processes pools the BN branch over all of them (``switchable``): one kernel writes
 this process's float64 sums [count, sum of x, sum of x^2] per channel, the processes add them up (the
@@ -65,11 +65,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .fused import written_in_place
-from .passes import TorchPasses
+from .kernel_launch import cdiv, launch, next_pow2, tl, triton
+from .map_passes import TorchPasses, TritonPasses
+from .moment_normalizer import written_in_place
 from .running import update_running_moments
 from .running_kernels import running_factor, store_running_moments
-from .triton_kernels import MapPasses, cdiv, launch, next_pow2, tl, triton
 
 _TILE = 2048  # elements of one [BLOCK_N, BLOCK_C] tile
 _MAX_BLOCK_C = 64
@@ -179,7 +179,7 @@ if triton is not None:
     ):
         # BN_SOURCE: BATCH (this batch, of ``count`` values per channel), RUNNING (the running statistics) or
         # POOLED (the sums of every process, float64 [count, sum of x (C), sum of x^2 (C)] at pooled_ptr). The
-        # blocks (``MapPasses``): moments (mean, variance), affine (scale, shift, then this kernel's statistics
+        # blocks (``map_passes``): moments (mean, variance), affine (scale, shift, then this kernel's statistics
         # for the backward)
         mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
         scale_ptr, shift_ptr, stats_ptr = affine_ptr, affine_ptr + N * C, affine_ptr + 2 * N * C
@@ -297,7 +297,7 @@ if triton is not None:
         # BN_GRAD: how the BN statistics pass their gradient on: not at all (RUNNING), within this batch
         # (BATCH), or through the sums of every process: POOLED_SUMS writes this process's gradient of them
         # (float64, as pooled_ptr) and nothing else; once the processes have added those up, POOLED takes
-        # them from grad_pooled_ptr. The blocks (``MapPasses``): moments (mean, variance), affine (its
+        # them from grad_pooled_ptr. The blocks (``map_passes``): moments (mean, variance), affine (its
         # statistics after row 1, as the forward kernel stored them), sums (D, S), pq (p, q)
         mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
         stats_ptr = affine_ptr + 2 * N * C
@@ -427,11 +427,11 @@ def _blocks(n: int, c: int) -> tuple[int, int]:
 
 
 class SwitchableKernels:
-    """SN's fused (N, C) kernels for inputs of one signature (``fused.FusedPlan``); with ``pooled``, SyncSN's
-    across several processes, whose BN branch pools every process's sums."""
+    """SN's fused (N, C) kernels for inputs of one signature (``moment_normalizer.FusedPlan``); with ``pooled``,
+    SyncSN's across several processes, whose BN branch pools every process's sums."""
 
     def __init__(self, layer, x: Tensor, pooled: bool = False):
-        self.passes = MapPasses(x)
+        self.passes = TritonPasses(x)
         n, c, h, w = x.shape
         self.spatial = h * w
         training = layer.training and layer.use_bn
@@ -485,7 +485,7 @@ class SwitchableKernels:
 
 
 class SwitchableClosedForms:
-    """SN's closed forms as tensor operations, for inputs of one signature (``fused.FusedPlan``; the module
+    """SN's closed forms as tensor operations, for inputs of one signature (``moment_normalizer.FusedPlan``; the module
     docstring's equations, in the statistics dtype)."""
 
     passes = TorchPasses

@@ -4,7 +4,7 @@ loop-carried values, power-of-two ranges, constexpr specializations of integers 
 
 The layers run here under the interpreter, in training and evaluation, with and without gradients (for x
 too), fp32 / fp16 / bf16, NCHW and channels_last, on shapes that take different tile sizes; each launch's signature is recorded where
-``triton_kernels.launch`` sees it, and a subprocess without the interpreter compiles every distinct one.
+``kernel_launch.observed_launches`` sees it, and a subprocess without the interpreter compiles every distinct one.
 """
 
 import contextlib
@@ -26,7 +26,7 @@ if int(triton.__version__.split(".")[0]) < 3:
     pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
 
 from sn_detection.layers import NORM_NAMES, build_norm, norm_options, switchable, switchable_kernels  # noqa: E402
-from sn_detection.layers import triton_kernels  # noqa: E402  (after the skips)
+from sn_detection.layers.kernel_launch import observed_launches  # noqa: E402  (after the skips)
 
 _TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float64: "*fp64", torch.int64: "*i64"}
 
@@ -61,8 +61,7 @@ def recorded_launches():
         seen[json.dumps(record, sort_keys=True)] = record
         return contextlib.nullcontext()
 
-    previous, triton_kernels.launch_observer = triton_kernels.launch_observer, observe
-    try:
+    with observed_launches(observe):
         # SyncSN's kernels for several processes too: one process stands in for them (its sums all-reduced
         # with nobody)
         with mock.patch.object(switchable, "_several_processes", lambda: True), \
@@ -93,8 +92,6 @@ def recorded_launches():
             if "momentum" in norm_options(name):  # the cumulative average: momentum None, a constant
                 x = torch.randn(2, 64, 3, 5, requires_grad=True)
                 build_norm(name, 64, momentum=None)(x).backward(torch.ones_like(x))
-    finally:
-        triton_kernels.launch_observer = previous
     return list(seen.values())
 
 

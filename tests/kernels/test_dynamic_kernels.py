@@ -3,7 +3,7 @@ the gradients of x and of every parameter (the gates' straight-through ones incl
 for gate patterns that pool contiguous and strided channel sets, with and without the batch, in training
 and evaluation, for channel counts with and without an odd factor, and the launch count of a training step.
 
-Runs where tests/kernels/test_triton_kernels.py runs (a CUDA GPU, or the CPU under Triton's interpreter in
+Runs where tests/kernels/test_map_passes.py runs (a CUDA GPU, or the CPU under Triton's interpreter in
 the kernel-test environment); skipped elsewhere. Shapes are small: the interpreter runs every program in
 Python.
 """
@@ -23,8 +23,8 @@ if INTERPRET and int(triton.__version__.split(".")[0]) < 3:
     pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
 
 from sn_detection.layers import DynamicNorm2d, dynamic_kernels  # noqa: E402  (after the skips)
-from sn_detection.layers.launches import count_training_step, recorded_kernels  # noqa: E402
-from sn_detection.layers.statistics import reference_normalize_by_moments  # noqa: E402
+from sn_detection.layers.launch_counts import count_training_step, recorded_kernels  # noqa: E402
+from sn_detection.layers.moment_normalizer import reference_normalize_by_moments  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 FP32 = 2e-5

@@ -1,9 +1,9 @@
-"""SN, SyncSN and BNSR on their fused kernels (``fused``, ``switchable_kernels``, ``skewness_kernels``) against
-the autograd path they replace: output, every gradient and every buffer, in training and evaluation, fp32 /
-fp16 / bf16, NCHW and channels_last, shapes a detector produces (one image, 1x1 maps, more samples than
-one tile holds), and where the fused path must step aside (batch average, create_graph).
+"""SN, SyncSN and BNSR on their fused kernels (``moment_normalizer``, ``switchable_kernels``, ``skewness_kernels``)
+against the autograd path they replace: output, every gradient and every buffer, in training and evaluation, fp32 /
+fp16 / bf16, NCHW and channels_last, shapes a detector produces (one image, 1x1 maps, more samples than one tile
+holds), and where the fused path must step aside (batch average, create_graph).
 
-Runs where tests/kernels/test_triton_kernels.py runs (a CUDA GPU, or the CPU under Triton's interpreter).
+Runs where tests/kernels/test_map_passes.py runs (a CUDA GPU, or the CPU under Triton's interpreter).
 """
 
 import copy
@@ -21,8 +21,8 @@ if INTERPRET and int(triton.__version__.split(".")[0]) < 3:
     pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
 
 from sn_detection.layers import build_norm, update_batch_average  # noqa: E402  (after the skips)
-from sn_detection.layers.launches import count_dispatch  # noqa: E402
-from sn_detection.layers.statistics import reference_normalize_by_moments  # noqa: E402
+from sn_detection.layers.launch_counts import count_dispatch  # noqa: E402
+from sn_detection.layers.moment_normalizer import reference_normalize_by_moments  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 FORWARD_KERNEL = {"SN": "triton:_forward_kernel", "SyncSN": "triton:_forward_kernel", "BNSR": "triton:_forward_kernel"}

@@ -2,7 +2,7 @@
 the kernels, and gives the values and gradients of the PyTorch fast path and of the plain-autograd
 reference, in fp32, fp16 and bf16, NCHW and channels_last.
 
-Runs where tests/kernels/test_triton_kernels.py runs (a CUDA GPU, or the CPU under Triton's interpreter in
+Runs where tests/kernels/test_map_passes.py runs (a CUDA GPU, or the CPU under Triton's interpreter in
 the kernel-test environment); skipped elsewhere.
 """
 
@@ -20,8 +20,8 @@ if not INTERPRET and not torch.cuda.is_available():
 if INTERPRET and int(triton.__version__.split(".")[0]) < 3:
     pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
 
-from sn_detection.layers import build_norm, passes  # noqa: E402  (after the skips: needs TRITON_INTERPRET)
-from sn_detection.layers.statistics import reference_normalize_by_moments  # noqa: E402
+from sn_detection.layers import build_norm, map_passes  # noqa: E402  (after the skips: needs TRITON_INTERPRET)
+from sn_detection.layers.moment_normalizer import reference_normalize_by_moments  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 FAST_PATH_LAYERS = ["SN", "SyncSN", "DN", "MN", "MGN"]
@@ -61,18 +61,18 @@ def assert_same(actual, expected, tolerance):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Each Triton pass's calls through ``passes``: the dtype of the full-size tensor each one read first."""
+    """Each Triton pass's calls (``map_passes.TritonPasses``): the dtype of the full-size tensor each one read first."""
     reads = {kernel: [] for kernel in KERNELS}
     # the fused path's moments come with their residuals: the same kernel
     methods = {kernel: kernel for kernel in KERNELS} | {"moments_and_residual": "moments"}
     for method, kernel in methods.items():
-        original = getattr(passes.triton_kernels.MapPasses, method)
+        original = getattr(map_passes.TritonPasses, method)
 
         def recorded(self, tensor, *args, kernel=kernel, original=original, **kwargs):
             reads[kernel].append(tensor.dtype)
             return original(self, tensor, *args, **kwargs)
 
-        monkeypatch.setattr(passes.triton_kernels.MapPasses, method, recorded)
+        monkeypatch.setattr(map_passes.TritonPasses, method, recorded)
     return reads
 
 
@@ -87,7 +87,7 @@ def test_the_kernel_path_gives_the_fast_paths_and_the_references_values(name, la
     assert all(calls[kernel] for kernel in KERNELS), calls
 
     assert_same(on_kernels, run(copy.deepcopy(layer), x, grad_y, reference), TOLERANCE[torch.float32])
-    monkeypatch.setattr(passes, "_TRITON", False)  # the PyTorch fast path
+    monkeypatch.setattr(map_passes, "_TRITON", False)  # the PyTorch fast path
     before = {kernel: len(reads) for kernel, reads in calls.items()}
     assert_same(on_kernels, run(copy.deepcopy(layer), x, grad_y), TOLERANCE[torch.float32])
     assert {kernel: len(reads) for kernel, reads in calls.items()} == before
@@ -112,14 +112,18 @@ def test_half_precision_inputs_are_read_directly_and_match_the_fp32_computation(
 
 
 def test_vectors_from_outside_a_plan_are_checked_before_the_kernels_read_them():
-    # a layer's plan passes its own float32 vectors; the autograd path's go through ``passes``, which checks them
+    # a layer's plan passes its own float32 blocks; the autograd path makes blocks of its vectors with
+    # ``block_of``, which checks them
     x = torch.randn(2, 3, 4, 5).to(DEVICE)
     vector, wide = torch.ones(2, 3, device=DEVICE), torch.ones(2, 3, dtype=torch.float64, device=DEVICE)
     with torch.no_grad():
-        assert passes.uses_triton(x)
+        over = map_passes.passes_for(x)
+        assert isinstance(over, map_passes.TritonPasses)
         with pytest.raises(ValueError, match="float32"):
-            passes.scale_shift(x, vector, wide, vector)
+            over.block_of(vector, wide)
         with pytest.raises(ValueError, match="float32"):
-            passes.grad_input(x, x, vector, vector, vector, wide)
+            over.block_of(vector[:, :2])
         center = torch.ones(3, device=DEVICE).expand(2, 3)  # stride 0 along N, as autograd may hand over
-        torch.testing.assert_close(passes.scale_shift(x, 2 * vector, vector, center), (x - 1) * 2 + 1)
+        y = over.scale_shift(x, over.block_of(2 * vector, vector), over.block_of(center))
+        torch.testing.assert_close(y, (x - 1) * 2 + 1)
+    assert map_passes.passes_for(x) is map_passes.TorchPasses  # autograd records the passes

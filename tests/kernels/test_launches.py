@@ -1,5 +1,6 @@
 """What a training step of each layer asks of the device on the kernel path: at most a handful of kernel
-launches (``fused``) and no host synchronisation, counted by ``launches`` as a GPU profiler would count them.
+launches (``moment_normalizer``) and no host synchronisation, counted by ``launch_counts`` as a GPU profiler
+would count them.
 
 A launch count is a property of the code, not a timing: on a GPU each launch costs microseconds of host
 time, so these counts are what keeps the layers from being host-bound there.
@@ -18,7 +19,7 @@ if INTERPRET and int(triton.__version__.split(".")[0]) < 3:
     pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
 
 from sn_detection.layers import NORM_NAMES, build_norm  # noqa: E402  (after the skips)
-from sn_detection.layers.launches import count_dispatch, count_training_step  # noqa: E402
+from sn_detection.layers.launch_counts import count_dispatch, count_training_step  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 # launches per training forward + backward, gradients set to None first (zero_grad's default)
@@ -67,8 +68,7 @@ def test_no_layer_waits_for_the_device(name, n, training):
 
 
 def test_skipped_launches_run_no_kernel_and_end_with_the_block():
-    from sn_detection.layers import triton_kernels
-    from sn_detection.layers.launches import skipped_launches
+    from sn_detection.layers.kernel_launch import skipped_launches
 
     def triton_launches(counts):
         return sum(number for name, number in counts.operations.items() if name.startswith("triton:"))
@@ -77,7 +77,6 @@ def test_skipped_launches_run_no_kernel_and_end_with_the_block():
     layer = build_norm("SN", 64).to(DEVICE)
     with skipped_launches():
         assert triton_launches(count_training_step(layer, x, grad_y)) == 0
-    assert not triton_kernels.skip_launches
     assert triton_launches(count_training_step(layer, x, grad_y)) == 6
 
 

@@ -6,7 +6,7 @@ modes, nearly unused and unused modes, and channel means 1e4 times their spread 
 training step stays within its launch budget without a host synchronisation; and, off a GPU, the kernels
 compile for an H100.
 
-Runs where tests/kernels/test_triton_kernels.py runs (a CUDA GPU, or the CPU under Triton's interpreter in
+Runs where tests/kernels/test_map_passes.py runs (a CUDA GPU, or the CPU under Triton's interpreter in
 the kernel-test environment); skipped elsewhere.
 """
 
@@ -24,9 +24,9 @@ if not INTERPRET and not torch.cuda.is_available():
 if INTERPRET and int(triton.__version__.split(".")[0]) < 3:
     pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
 
-from sn_detection.layers import build_norm, mode_kernels, passes  # noqa: E402  (after the skips)
-from sn_detection.layers.launches import count_training_step, recorded_kernels  # noqa: E402
-from sn_detection.layers.statistics import reference_normalize_by_moments  # noqa: E402
+from sn_detection.layers import build_norm, map_passes, mode_kernels  # noqa: E402  (after the skips)
+from sn_detection.layers.launch_counts import count_training_step, recorded_kernels  # noqa: E402
+from sn_detection.layers.moment_normalizer import reference_normalize_by_moments  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 KERNELS = {"MN": ("_mn_forward_kernel", "_mn_backward_kernel"), "MGN": ("_mgn_forward_kernel", "_mgn_backward_kernel")}
@@ -253,7 +253,7 @@ def test_large_channel_means_keep_fp32_accuracy(name, training, gates, monkeypat
     fused = run(copy.deepcopy(layer), x, grad_y)
     assert mode_kernels_of(launched) == list(KERNELS[name]), launched
     exact = run_float64(layer, x, grad_y)
-    monkeypatch.setattr(passes, "_TRITON", False)  # the PyTorch path, float64 sums and all
+    monkeypatch.setattr(map_passes, "_TRITON", False)  # the PyTorch path, float64 sums and all
     existing = run(copy.deepcopy(layer), x, grad_y)
     fused_errors, existing_errors = errors(fused, exact), errors(existing, exact)
     floor = 1e4 * 2.0**-24 * 4

@@ -4,7 +4,7 @@ that take different tilings (one image, 1x1 maps, one channel, C = 2048, several
 than the parameter-gradient kernel sums in one step), channel means 1e4 times the spread, create_graph, a
 layer converted with .half(); and what a training step launches.
 
-Runs where tests/kernels/test_triton_kernels.py runs (a CUDA GPU, or the CPU under Triton's interpreter).
+Runs where tests/kernels/test_map_passes.py runs (a CUDA GPU, or the CPU under Triton's interpreter).
 """
 
 import copy
@@ -21,7 +21,7 @@ if INTERPRET and int(triton.__version__.split(".")[0]) < 3:
     pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
 
 from sn_detection.layers import build_norm  # noqa: E402  (after the skips)
-from sn_detection.layers.launches import count_dispatch, count_training_step  # noqa: E402
+from sn_detection.layers.launch_counts import count_dispatch, count_training_step  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 NCHW, CHANNELS_LAST = torch.contiguous_format, torch.channels_last

@@ -3,7 +3,7 @@
 momentum and with ``momentum=None`` (the cumulative average), on shapes that take several programs (each
 program takes a ticket for the cumulative average's count).
 
-Runs where tests/kernels/test_triton_kernels.py runs (a CUDA GPU, or the CPU under Triton's interpreter).
+Runs where tests/kernels/test_map_passes.py runs (a CUDA GPU, or the CPU under Triton's interpreter).
 """
 
 import copy
@@ -22,8 +22,8 @@ if INTERPRET and int(triton.__version__.split(".")[0]) < 3:
     pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
 
 from sn_detection.layers import build_norm, switchable, switchable_kernels  # noqa: E402  (after the skips)
-from sn_detection.layers.launches import recorded_kernels  # noqa: E402
-from sn_detection.layers.statistics import reference_normalize_by_moments  # noqa: E402
+from sn_detection.layers.launch_counts import recorded_kernels  # noqa: E402
+from sn_detection.layers.moment_normalizer import reference_normalize_by_moments  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 # the kernel that moves each layer's running statistics; (N, C, H, W) with several programs in it

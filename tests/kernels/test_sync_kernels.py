@@ -3,7 +3,7 @@ processes (gloo on the CPU, the kernels under Triton's interpreter in each) give
 gradients, summed parameter gradients and running statistics of one SN on the whole batch; a process whose
 slice is empty runs the autograd path and takes part in the same all-reduces.
 
-Runs where tests/kernels/test_triton_kernels.py runs, with the interpreter (the processes are CPU ones).
+Runs where tests/kernels/test_map_passes.py runs, with the interpreter (the processes are CPU ones).
 """
 
 import os
@@ -20,7 +20,7 @@ if int(triton.__version__.split(".")[0]) < 3:
 from gloo_processes import run_processes  # noqa: E402  (after the skips)
 
 from sn_detection.layers import SwitchableNorm2d, SyncSwitchableNorm2d  # noqa: E402
-from sn_detection.layers.launches import recorded_kernels  # noqa: E402
+from sn_detection.layers.launch_counts import recorded_kernels  # noqa: E402
 
 CHANNELS = 6
 WORLD_SIZE = 2

@@ -1,4 +1,4 @@
-"""The Triton kernels of sn_detection.layers.triton_kernels against float64 PyTorch references.
+"""The Triton passes of sn_detection.layers.map_passes (``TritonPasses``) against float64 PyTorch references.
 
 Runs on a CUDA GPU, or on the CPU under Triton's interpreter in the kernel-test environment:
 
@@ -25,7 +25,8 @@ if not INTERPRET and not torch.cuda.is_available():
 if INTERPRET and int(triton.__version__.split(".")[0]) < 3:
     pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
 
-from sn_detection.layers import triton_kernels as K  # noqa: E402  (after the skips: needs TRITON_INTERPRET)
+from sn_detection.layers import kernel_launch  # noqa: E402  (after the skips: needs TRITON_INTERPRET)
+from sn_detection.layers.map_passes import TritonPasses  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -64,6 +65,11 @@ def _assert_vector(v, x):
     assert v.dtype == torch.float32 and v.shape == x.shape[:2] and v.device == x.device
 
 
+def _moments(x):
+    mean, var = TritonPasses(x).moments(x)
+    return mean, var
+
+
 def _assert_rounded_close(out, reference):
     """out, computed in float32 and rounded once to its dtype, is the float64 reference within about one
     unit in the last place of that dtype."""
@@ -75,7 +81,7 @@ def _assert_rounded_close(out, reference):
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids(SHAPES))
 def test_moments(shape, dtype, layout):
     x = _input(shape, dtype, layout)
-    mean, var = K.moments(x)
+    mean, var = _moments(x)
     _assert_vector(mean, x)
     _assert_vector(var, x)
     ref_mean = x.double().mean((2, 3)) if x.numel() else x.new_zeros(shape[:2], dtype=torch.float64)
@@ -93,10 +99,8 @@ def test_moments(shape, dtype, layout):
 def test_scale_shift(shape, dtype, layout):
     x = _input(shape, dtype, layout)
     scale, shift, center = _map_vector(shape, 1), _map_vector(shape, 2), _map_vector(shape, 3)
-    y = K.scale_shift(x, scale, shift)
-    _assert_like(y, x)
-    _assert_rounded_close(y, x.double() * _per_map(scale) + _per_map(shift))
-    y = K.scale_shift(x, scale, shift, center)
+    over = TritonPasses(x)
+    y = over.scale_shift(x, over.block_of(scale, shift), over.block_of(center))
     _assert_like(y, x)
     _assert_rounded_close(y, (x.double() - _per_map(center)) * _per_map(scale) + _per_map(shift))
 
@@ -108,7 +112,8 @@ def test_centered_dot_and_sum(shape, dtype, layout):
     x = _input(shape, dtype, layout)
     grad_y = _input(shape, dtype, layout, offset=0.1, spread=1.0, seed=1)
     center = _map_vector(shape, 2, offset=0.5)
-    dot, total = K.centered_dot_and_sum(grad_y, x, center)
+    over = TritonPasses(x)
+    dot, total = over.centered_dot_and_sum(grad_y, x, over.block_of(center))
     _assert_vector(dot, x)
     _assert_vector(total, x)
     gy = grad_y.double()
@@ -127,7 +132,8 @@ def test_grad_input(shape, dtype, layout):
     x = _input(shape, dtype, layout)
     grad_y = _input(shape, dtype, layout, offset=0.1, spread=1.0, seed=1)
     scale, p, q, center = (_map_vector(shape, seed) for seed in (2, 3, 4, 5))
-    grad_x = K.grad_input(grad_y, x, scale, p, q, center)
+    over = TritonPasses(x)
+    grad_x = over.grad_input(grad_y, x, over.block_of(scale), over.block_of(p, q), over.block_of(center), False)
     _assert_like(grad_x, x)
     reference = grad_y.double() * _per_map(scale) + (x.double() - _per_map(center)) * _per_map(p) + _per_map(q)
     _assert_rounded_close(grad_x, reference)
@@ -160,7 +166,7 @@ def test_moments_accuracy_mean_far_from_zero(layout, shape):
     naive_var = (x * x).mean((2, 3)) - x.mean((2, 3)).square()
     assert ((naive_var.double() - ref_var).abs() / ref_var).max() > 0.1  # the cancellation is real here
 
-    mean, var = K.moments(x)
+    mean, var = _moments(x)
     bn_mean, bn_var = _batch_norm_moments(x)
     var_error = ((var.double() - ref_var).abs() / ref_var).max().item()
     bn_var_error = ((bn_var - ref_var).abs() / ref_var).max().item()
@@ -181,9 +187,10 @@ def test_the_residual_holds_what_rounding_took_off_the_mean(layout):
     x = 1e4 + torch.randn(2, 3, 40, 60, generator=generator)  # two tiles per map: a shift off the mean
     x = x.to(DEVICE).contiguous(memory_format=layout)
     exact = x.double().mean((2, 3))
-    moments = K.MapPasses(x).moments_and_residual(x)
+    over = TritonPasses(x)
+    moments = over.moments_and_residual(x)
     mean, var, residual = moments
-    plain_mean, plain_var = K.moments(x)
+    plain_mean, plain_var = _moments(x)
     assert torch.equal(mean, plain_mean) and torch.equal(var, plain_var)
     rounding = (mean.double() - exact).abs().max().item()
     assert rounding > 1e-5
@@ -193,7 +200,6 @@ def test_the_residual_holds_what_rounding_took_off_the_mean(layout):
     p, zeros = 2 * grad_var / (40 * 60), torch.zeros(2, 3, device=DEVICE)
     xd = x.double()
     exact_grad = (xd - exact[:, :, None, None]) * p.double()[:, :, None, None]
-    over = K.MapPasses(x)
     grad_y = torch.zeros_like(x)
     pq = torch.stack([p, zeros])
     with_residual = over.grad_input(grad_y, x, zeros, pq, moments, residual=True)
@@ -209,7 +215,8 @@ def test_centered_dot_accuracy_mean_far_from_zero(layout):
     x = (1e4 + torch.randn(2, 3, 16, 16, generator=generator)).to(DEVICE).contiguous(memory_format=layout)
     grad_y = torch.randn(2, 3, 16, 16, generator=generator).to(DEVICE).contiguous(memory_format=layout)
     center = x.double().mean((2, 3)).float()
-    dot, _ = K.centered_dot_and_sum(grad_y, x, center)
+    over = TritonPasses(x)
+    dot, _ = over.centered_dot_and_sum(grad_y, x, over.block_of(center))
     ref_dot = (grad_y.double() * (x.double() - center.double()[:, :, None, None])).sum((2, 3))
     scale = (grad_y.double().square().sum((2, 3)) * (x.double() - center.double()[:, :, None, None]).square().sum((2, 3))).sqrt()
     assert ((dot.double() - ref_dot).abs() / scale).max() < 1e-6
@@ -217,12 +224,13 @@ def test_centered_dot_accuracy_mean_far_from_zero(layout):
 
 def test_empty_maps():
     x = torch.zeros(2, 3, 0, 4, device=DEVICE)
-    mean, var = K.moments(x)
+    over = TritonPasses(x)
+    mean, var = over.moments(x)
     assert mean.shape == var.shape == (2, 3) and (mean == 0).all() and (var == 0).all()
     ones = torch.ones(2, 3, device=DEVICE)
-    assert K.scale_shift(x, ones, ones).shape == x.shape
-    assert K.grad_input(x, x, ones, ones, ones, ones).shape == x.shape
-    dot, total = K.centered_dot_and_sum(x, x, ones)
+    assert over.scale_shift(x, over.block_of(ones, ones), ones).shape == x.shape
+    assert over.grad_input(x, x, ones, over.block_of(ones, ones), ones, False).shape == x.shape
+    dot, total = over.centered_dot_and_sum(x, x, ones)
     assert (dot == 0).all() and (total == 0).all()
 
 
@@ -231,43 +239,54 @@ def test_unsupported_inputs_raise_value_error():
     x = _input(shape, torch.float32, torch.contiguous_format)
     ones = torch.ones(2, 3, device=DEVICE)
     with pytest.raises(ValueError, match="dtype"):
-        K.moments(x.double())
+        TritonPasses(x.double())
     with pytest.raises(ValueError, match="strides"):
-        K.moments(x[:, :, :, ::2])
+        TritonPasses(x[:, :, :, ::2])
     with pytest.raises(ValueError, match="strides"):
-        K.scale_shift(x.transpose(2, 3), ones, ones)
+        TritonPasses(x.transpose(2, 3))
     with pytest.raises(ValueError, match=r"\(N, C, H, W\)"):
-        K.moments(x[0])
+        TritonPasses(x[0])
+    over = TritonPasses(x)
     with pytest.raises(ValueError, match="float32"):
-        K.scale_shift(x, ones.double(), ones)
-    with pytest.raises(ValueError, match="shape"):
-        K.scale_shift(x, ones[:, :2], ones)
-    with pytest.raises(ValueError, match="layout"):
-        K.grad_input(x.contiguous(memory_format=torch.channels_last), x, ones, ones, ones, ones)
-    with pytest.raises(ValueError, match="match"):
-        K.centered_dot_and_sum(x[:1], x, ones)
+        over.block_of(ones.double(), ones)
+    with pytest.raises(ValueError, match=r"\(N, C\)"):
+        over.block_of(ones[:, :2], ones)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_ids(LAYOUTS))
+def test_grad_y_is_taken_in_x_layout(layout):
+    """Autograd may hand over grad_y in another layout than x's: the passes read it in x's."""
+    x = _input((2, 3, 4, 5), torch.float32, layout)
+    grad_y = _input((2, 3, 4, 5), torch.float32, layout, seed=1)
+    other = grad_y.contiguous(memory_format=torch.channels_last if layout == torch.contiguous_format else
+                              torch.contiguous_format)  # fmt: skip
+    over, ones = TritonPasses(x), torch.ones(2, 3, device=DEVICE)
+    pq, moments = over.block_of(ones, ones), over.block_of(ones)
+    grad_x = over.grad_input(grad_y, x, ones, pq, moments, False)
+    assert torch.equal(over.grad_input(other, x, ones, pq, moments, False), grad_x)
+    assert torch.equal(over.centered_dot_and_sum(other, x, moments), over.centered_dot_and_sum(grad_y, x, moments))
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors run only under the interpreter")
 def test_cpu_tensors_without_interpreter_raise(monkeypatch):
-    monkeypatch.setattr(K, "_INTERPRET", False)
+    monkeypatch.setattr(kernel_launch, "_INTERPRET", False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        K.moments(torch.zeros(1, 1, 2, 2))
+        TritonPasses(torch.zeros(1, 1, 2, 2))
 
 
 def test_available():
-    assert K.available()
+    assert kernel_launch.available()
 
 
 # Compiled by Triton for an H100 (sm_90), without a GPU and without the interpreter, in a subprocess: the
 # interpreter runs the kernels as Python and misses what only the compiler checks (types of loop-carried
 # values, constexpr specializations of arguments equal to 1). Every dtype, both layouts, the tile shapes
-# the wrappers choose.
+# TritonPasses chooses.
 _COMPILE_SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from sn_detection.layers import triton_kernels as K
+    from sn_detection.layers import map_passes as K
 
     kernels = [K._moments_kernel, K._centered_dot_and_sum_kernel, K._scale_shift_kernel, K._grad_input_kernel]
     full_size = {"x_ptr", "y_ptr", "gy_ptr", "gx_ptr"}
@@ -279,8 +298,6 @@ _COMPILE_SCRIPT = textwrap.dedent("""
                 for ones in ((), ("C", "HW")):  # Triton specializes integer arguments equal to 1
                     constants = dict(CHANNELS_LAST=channels_last, BLOCK_C=block_c, BLOCK_HW=block_hw)
                     constants.update((name, 1) for name in ones)
-                    if "HAS_CENTER" in kernel.arg_names:
-                        constants["HAS_CENTER"] = not ones
                     signature = {
                         name: "constexpr" if name in constants
                         else (f"*{dtype}" if name in full_size else "*fp32") if name.endswith("_ptr")

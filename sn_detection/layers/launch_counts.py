@@ -4,7 +4,8 @@ host synchronisations.
 On a GPU each kernel launch costs microseconds of host time whatever it computes, so a layer made of many
 small operations is bound by its launches, not by its arithmetic. The launches can be counted without a GPU:
 every ATen operation reaches the dispatcher, where a ``TorchDispatchMode`` sees it, and every Triton kernel of
-this package is launched through ``triton_kernels.launch``. Counted:
+this package is launched through ``kernel_launch.launch``, where ``kernel_launch.observed_launches`` sees it.
+Counted:
 
 - ``launches``: ATen operations that compute something (each is at least one kernel on a GPU) plus Triton
   launches. Views (``expand``, ``view``, ``detach``, ...) and allocations launch nothing and are not
@@ -20,9 +21,10 @@ group norm, for one), so for other code the count is a lower bound.
 ``layer_counts`` counts every layer of ``build_norm`` beside torch's GroupNorm and BatchNorm
 (``tools/count_launches.py``).
 
-``skipped_launches`` runs a layer with no Triton kernel, so that the host's work around its kernels (its
-Python and ATen calls) can be timed on any machine with the kernel path (``tools/count_launches.py
---host-time``). On a GPU a layer whose kernels take less time than this is bound by it.
+``kernel_launch.skipped_launches`` runs a layer with no Triton kernel, so that the host's work around its
+kernels (its Python and ATen calls) can be timed on any machine with the kernel path
+(``tools/count_launches.py --host-time``). On a GPU a layer whose kernels take less time than this is bound
+by it.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import passes, triton_kernels
+from . import map_passes
 from .factory import NORM_NAMES, build_norm
+from .kernel_launch import observed_launches
 
 _ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 _SYNCS = frozenset({
@@ -94,29 +97,21 @@ class _Counter(TorchDispatchMode):
 @contextlib.contextmanager
 def recorded_kernels() -> Iterator[list]:
     """The names of the Triton kernels launched within the block, in order."""
-    names, previous = [], triton_kernels.launch_observer
+    names = []
 
     def observe(kernel, args, meta):
         names.append(getattr(kernel, "__name__", repr(kernel)))
         return contextlib.nullcontext()
 
-    triton_kernels.launch_observer = observe
-    try:
+    with observed_launches(observe):
         yield names
-    finally:
-        triton_kernels.launch_observer = previous
 
 
 def count_dispatch(function: Callable[[], object]) -> DispatchCount:
     """Runs ``function()`` and counts what it dispatched (module docstring)."""
     counter = _Counter()
-    previous = triton_kernels.launch_observer
-    triton_kernels.launch_observer = counter.triton_launch
-    try:
-        with counter:
-            function()
-    finally:
-        triton_kernels.launch_observer = previous
+    with observed_launches(counter.triton_launch), counter:
+        function()
     return DispatchCount(sum(counter.operations.values()), counter.allocations, counter.syncs, counter.operations)
 
 
@@ -149,7 +144,7 @@ def profiled_cuda_kernels(function: Callable[[], object]) -> int:
 def layer_counts(device: torch.device, shape=(2, 256, 6, 6)) -> list[dict]:
     """Per layer (torch's GroupNorm(32) and BatchNorm2d, then every name of ``build_norm``): the counts of a
     training step and of an inference forward (without gradients, in evaluation mode) on ``shape``, and
-    whether the input takes the kernel path there (``passes.kernel_path``); on CUDA also the kernels the
+    whether the input takes the kernel path there (``map_passes.kernel_path``); on CUDA also the kernels the
     profiler saw in a second training step."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=generator).to(device)
@@ -164,21 +159,10 @@ def layer_counts(device: torch.device, shape=(2, 256, 6, 6)) -> list[dict]:
         with torch.no_grad():
             inference = count_dispatch(lambda: layer.eval()(x))
         rows.append({
-            "layer": label, "device": device.type, "shape": list(shape), "kernel_path": passes.kernel_path(x),
+            "layer": label, "device": device.type, "shape": list(shape), "kernel_path": map_passes.kernel_path(x),
             "train_launches": train.launches, "train_allocations": train.allocations, "train_syncs": train.syncs,
             "inference_launches": inference.launches, "inference_syncs": inference.syncs,
             "train_operations": dict(train.operations), "train_kernels_profiled": profiled,
         })  # fmt: skip
     return rows
 
-
-@contextlib.contextmanager
-def skipped_launches() -> Iterator[None]:
-    """Within the block no Triton kernel of the package runs (``triton_kernels.launch`` returns at once):
-    their outputs keep whatever their memory held."""
-    previous = triton_kernels.skip_launches
-    triton_kernels.skip_launches = True
-    try:
-        yield
-    finally:
-        triton_kernels.skip_launches = previous

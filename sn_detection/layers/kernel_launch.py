@@ -1,14 +1,33 @@
-"""Launching a Triton kernel's compiled handle directly, once Triton's JIT has run it for a specialization.
+"""Running this package's Triton kernels: whether Triton is here, and the one way every kernel is launched.
 
-``kernel[grid](*args, **meta)`` goes through Triton's JIT on every call: it binds the arguments, computes
-their specialization, turns it and the options into a cache key, looks the compiled kernel up and builds
-its launch metadata, which costs several times the launch itself. ``launch`` does the same launch with
-less: the first call for a launch key takes that ordinary path, which compiles (or finds) the kernel and
-returns it, and the key is recorded with that ``CompiledKernel``; later calls with the same key call its
-launcher as ``JITFunction.run`` does after its lookup: the current device's current stream, the launch
-metadata and the enter and exit hooks of ``triton.knobs.runtime`` (neither, where no hook is registered:
-the launcher then calls none, as with empty chains), every parameter's value in signature order,
-constexprs included.
+``launch(kernel, grid, args, meta)`` is ``kernel[grid](*args, **meta)``; every Triton kernel of the package
+(``map_passes`` and the layers' ``*_kernels``) is launched through it, so that the contexts below see them
+all:
+
+- ``observed_launches(observer)``: every launch within the block runs inside ``observer(kernel, args, meta)``,
+  a context manager factory (``launch_counts`` counts kernels and leaves out the interpreter's own ATen work
+  with one; the compile test records signatures). Blocks nest: every observer entered sees every launch.
+- ``skipped_launches()``: within the block no kernel runs and no observer sees one; the kernels' outputs keep
+  whatever their memory held. It times the host's work around the kernels (``tools/count_launches.py
+  --host-time``).
+- ``ordinary_launches()``: within the block every launch takes Triton's ordinary path (below).
+
+Outside them a launch costs one test of a module variable that only they set.
+
+Importing this module never fails: without Triton, ``available()`` is False (and ``triton``, ``tl`` are None).
+Without a GPU, Triton's interpreter runs the kernels on the CPU (numpy, slow: tests only) when
+TRITON_INTERPRET=1 is set *before the kernels are defined* (``triton.jit`` decides at decoration time), which
+``interpreting()`` records at import.
+
+Launching the compiled handle. ``kernel[grid](*args, **meta)`` goes through Triton's JIT on every call: it
+binds the arguments, computes their specialization, turns it and the options into a cache key, looks the
+compiled kernel up and builds its launch metadata, which costs several times the launch itself. ``launch``
+does the same launch with less: the first call for a launch key takes that ordinary path, which compiles
+(or finds) the kernel and returns it, and the key is recorded with that ``CompiledKernel``; later calls with
+the same key call its launcher as ``JITFunction.run`` does after its lookup: the current device's current
+stream, the launch metadata and the enter and exit hooks of ``triton.knobs.runtime`` (neither, where no hook
+is registered: the launcher then calls none, as with empty chains), every parameter's value in signature
+order, constexprs included.
 
 The launch key holds all that decides which compiled kernel Triton's JIT picks (its specialization, read
 in ``JITFunction.run``, ``create_function_from_signature`` and the native ``specialize_impl``), or more:
@@ -34,24 +53,31 @@ positional argument for a constexpr parameter, a keyword value of another type t
 and None; a kernel with a global rebound since it was recorded (the JIT compares the values and raises its
 error where they changed; the kernels' globals are constexprs, never changed in place). A JIT that
 returns no ``CompiledKernel`` (an asynchronous compile) is asked again on the next call.
-``ordinary_launches`` makes every launch within a block take the ordinary path (benchmarks, tests).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, NamedTuple
+import os
+from typing import Callable, ContextManager, Iterator, NamedTuple
 
 from torch import Tensor
 
 try:
     import triton
-except ImportError:  # no Triton: nothing is launched at all (``triton_kernels.available``)
+    import triton.language as tl
+except ImportError:  # no Triton: the callers check available() and keep their PyTorch paths
     triton = None
+    tl = None
 
 __all__ = [
-    "TRITON_VERSIONS", "LaunchCounts", "counts", "launch", "launch_key", "ordinary_launches", "version_supported",
+    "TRITON_VERSIONS", "LaunchCounts", "available", "cdiv", "counts", "interpreting", "launch", "launch_key",
+    "next_pow2", "observed_launches", "ordinary_launches", "skipped_launches", "tl", "triton", "version_supported",
 ]  # fmt: skip
+
+# triton.jit reads TRITON_INTERPRET when a kernel is decorated, i.e. when the module defining it is imported;
+# those modules import this one first, so this is what their kernels saw
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 TRITON_VERSIONS = ("3.6.0", "3.8.0")  # whose JITFunction.run, CompiledKernel and CUDA launcher were read
 _VERSION_READ = triton is not None and triton.__version__ in TRITON_VERSIONS
@@ -92,9 +118,37 @@ class _Recorded(NamedTuple):
 
 
 counts = LaunchCounts()
-_bypass = False  # set by ordinary_launches only
 # launch key -> _Recorded, or None for a key that always takes the ordinary path
 _recorded: dict = {}
+_bypass = False  # set by ordinary_launches only
+# What launch() does instead of launching directly: None (launch), _SKIP (nothing) or _observed, which the
+# contexts derive from the two below (so that a launch outside them tests one variable)
+_SKIP = object()
+_intercept = None
+_skipping = 0  # skipped_launches blocks entered and not left
+_observers: list = []  # the observers of observed_launches blocks, the first entered first
+
+
+def available() -> bool:
+    """Whether Triton imports, i.e. the kernels can be launched (on CUDA tensors, or on CPU tensors under
+    TRITON_INTERPRET=1)."""
+    return triton is not None
+
+
+def interpreting() -> bool:
+    """Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1 when this module was imported),
+    which takes CPU tensors."""
+    return _INTERPRET
+
+
+def next_pow2(value: int) -> int:
+    """The smallest power of two >= value (1 for 0)."""
+    return 1 << max(value - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of ints, in plain Python (``triton.cdiv`` goes through the JIT's call machinery)."""
+    return -(-a // b)
 
 
 def version_supported() -> bool:
@@ -165,6 +219,17 @@ def _ordinary(kernel, grid, args: tuple, meta: dict):
 
 
 def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
+    """``kernel[grid](*args, **meta)``, as the contexts in effect have it (module docstring). ``args`` and
+    ``meta`` come as a tuple and a dict, which plans make once (``meta``, the constexprs and options, is only
+    read)."""
+    intercept = _intercept
+    if intercept is None:
+        _launch(kernel, grid, args, meta)
+    elif intercept is not _SKIP:  # skipped: no call at all, so that the host's time around the kernels is timed
+        intercept(kernel, grid, args, meta)
+
+
+def _launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     """``kernel[grid](*args, **meta)``, through the compiled kernel recorded for its launch key where there
     is one (module docstring)."""
     if not _VERSION_READ or _bypass or type(kernel) is not JITFunction or type(grid) is not tuple:
@@ -206,6 +271,50 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     counts.direct += 1
     run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, function, packed_metadata, metadata,
         enter_hook, exit_hook, *values)  # fmt: skip
+
+
+def _observed(kernel, grid: tuple, args: tuple, meta: dict) -> None:
+    with contextlib.ExitStack() as stack:
+        for observer in tuple(_observers):
+            stack.enter_context(observer(kernel, args, meta))
+        _launch(kernel, grid, args, meta)
+
+
+def _set_intercept() -> None:
+    global _intercept
+    _intercept = _SKIP if _skipping else _observed if _observers else None
+
+
+# observer(kernel, args, meta): a context manager around the launch of kernel with its positional and keyword
+# arguments
+LaunchObserver = Callable[[object, tuple, dict], ContextManager]
+
+
+@contextlib.contextmanager
+def observed_launches(observer: LaunchObserver) -> Iterator[None]:
+    """Within the block every kernel launch runs inside ``observer(kernel, args, meta)``, after (inside) the
+    observers of the blocks entered before (module docstring)."""
+    _observers.append(observer)
+    _set_intercept()
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
+        _set_intercept()
+
+
+@contextlib.contextmanager
+def skipped_launches() -> Iterator[None]:
+    """Within the block no kernel runs and no observer sees one (``launch`` returns at once): the kernels'
+    outputs keep whatever their memory held."""
+    global _skipping
+    _skipping += 1
+    _set_intercept()
+    try:
+        yield
+    finally:
+        _skipping -= 1
+        _set_intercept()
 
 
 @contextlib.contextmanager
