@@ -517,10 +517,10 @@ def describe(
     if finetuned:
         tool += " --finetune"
         init = (
-            f"finetuned (stages up to res{cfg.MODEL.BACKBONE.FREEZE_AT} frozen) from a ResNet-{cfg.MODEL.RESNETS.DEPTH} "
-            f"pretrained with the backbone's norm (FrozenBN: BN) on classification (`{cfg.PRETRAIN.DATA}`, "
-            f"{cfg.PRETRAIN.MAX_ITER} iterations at batch {cfg.PRETRAIN.IMS_PER_BATCH}, {cfg.PRETRAIN.IMAGE_SIZE} px; "
-            "`tools/pretrain_backbone.py`)"
+            f"finetuned (stages up to res{cfg.MODEL.BACKBONE.FREEZE_AT} frozen) from a "
+            f"ResNet-{cfg.MODEL.RESNETS.DEPTH} pretrained with the backbone's norm (FrozenBN: BN) on classification "
+            f"(`{cfg.PRETRAIN.DATA}`, {cfg.PRETRAIN.MAX_ITER} iterations at batch {cfg.PRETRAIN.IMS_PER_BATCH}, "
+            f"{cfg.PRETRAIN.IMAGE_SIZE} px; `tools/pretrain_backbone.py`)"
         )
         if backbones:
             path, best = backbones
@@ -630,8 +630,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--backbones", metavar="BEST_JSON",
-        help="with --finetune: pretrain each backbone norm with its PRETRAIN setting in this file (tools/pretrain_grid.py's "
-        f"best.json; FrozenBN: BN's); default --output-dir then {DEFAULT_BEST_OUTPUT_DIR}",
+        help="with --finetune: pretrain each backbone norm with its PRETRAIN setting in this file "
+        f"(tools/pretrain_grid.py's best.json; FrozenBN: BN's); default --output-dir then {DEFAULT_BEST_OUTPUT_DIR}",
     )  # fmt: skip
     parser.add_argument(
         "--stop-top1", type=float, metavar="X",

@@ -475,10 +475,10 @@ def draws_markdown(draws: dict[str, dict[int, float]], settled: dict[str, dict])
     seeds = [cell_seed, *sorted({seed for found in draws.values() for seed in found} - {cell_seed})]
     lines = [
         "#### Each norm's best setting, drawn again", "",
-        "The backbone of each norm's best setting pretrained again with another SEED (the same recipe, another "
+        ("The backbone of each norm's best setting pretrained again with another SEED (the same recipe, another "
         "initialisation and data order), as `tools/compare_norms.py --finetune --backbone-seeds` makes it, where "
         "the cache has it: val top-1, then mean ± sample standard deviation over the draws. A difference between "
-        "cells within about that spread is one a single draw per cell cannot tell.", "",
+        "cells within about that spread is one a single draw per cell cannot tell."), "",
         "| norm | setting | " + " | ".join(f"SEED {s}{' (the cell)' if s == cell_seed else ''}" for s in seeds)
         + " | mean ± std |",
         "|---" * (len(seeds) + 3) + "|",
@@ -495,14 +495,14 @@ def equal_markdown(target: float, equal: dict[str, Cell], not_reached: Sequence[
     """The ``--equal-top1`` table: per norm, the iterations its best setting needed to reach ``target``."""
     lines = [
         f"#### Trained to {target:g} % (`--equal-top1`)", "",
-        f"Each norm's best setting trained again with PRETRAIN.STOP_TOP1 {target:g}: it stops at the first "
+        (f"Each norm's best setting trained again with PRETRAIN.STOP_TOP1 {target:g}: it stops at the first "
         f"evaluation (with the moving averages, every PRETRAIN.EVAL_PERIOD of its setting) at which val top-1 "
         f"reached {target:g} %; evaluated as often as its grid cell, the same run, that is where the cell first "
         "did. Then it is batch-averaged and evaluated as every cell is. Where the grid cell "
         f"reached {target:g} % only at its end, its backbone is copied: the same run would end alike; where the "
         "cell kept its model at the evaluation that first reached it (PRETRAIN.KEEP_EVALUATED_MODELS), that "
         "model is batch-averaged and evaluated, without training. `equal_top1.json` (published beside this "
-        "table) holds these settings for `tools/compare_norms.py --finetune --backbones`.", "",
+        "table) holds these settings for `tools/compare_norms.py --finetune --backbones`."), "",
         f"| norm | setting | iterations to {target:g} % | top-1 there (grid cell) | val top-1 | wall |",
         "|---|---|---|---|---|---|",
     ]  # fmt: skip
@@ -544,11 +544,11 @@ def equal_draws_markdown(target: float, draws: dict[str, dict[int, dict]], settl
     seeds = [cell_seed, *sorted({seed for found in draws.values() for seed in found} - {cell_seed})]
     lines = [
         f"#### Trained to {target:g} %, drawn again", "",
-        "Each norm's equal-top-1 setting pretrained again with another SEED, as `tools/compare_norms.py --finetune "
+        ("Each norm's equal-top-1 setting pretrained again with another SEED, as `tools/compare_norms.py --finetune "
         "--backbone-seeds --backbones equal_top1.json` makes it, where the cache has it: the iterations each draw "
         f"trained before its top-1 reached {target:g} % (at an evaluation, or *at the end* of its schedule), "
         f"then its val top-1; mean ± sample standard deviation of the iterations of the draws that reached "
-        f"{target:g} %.", "",
+        f"{target:g} %."), "",
         "| norm | setting | " + " | ".join(f"SEED {s}{' (the cell)' if s == cell_seed else ''}" for s in seeds)
         + " | iterations, mean ± std |",
         "|---" * (len(seeds) + 3) + "|",

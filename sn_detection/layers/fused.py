@@ -31,7 +31,7 @@ Nothing on the kernel path reads a value on the host: a training step can be cap
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 from torch import Tensor

@@ -86,7 +86,7 @@ def warn_if_kernels_off(x: Tensor) -> None:
     if _TRITON or _warned_kernels_off or not x.is_cuda:
         return
     _warned_kernels_off = True
-    warnings.warn(_kernels_off_message(), KernelsOffWarning)
+    warnings.warn(_kernels_off_message(), KernelsOffWarning, stacklevel=1)
 
 
 def kernel_path(x: Tensor) -> bool:
