@@ -1,14 +1,17 @@
 """Formats the repository's Python with ruff, as `make test`'s `ruff format --check` wants it:
 
 1. drops every ``# fmt: skip`` but those on hand-laid tables (``keeps_marker`` says which);
-2. applies ruff's fixes that need no judgement: import order (I), pyupgrade (UP), stale ``noqa`` (RUF100);
+2. applies ruff's fixes that need no judgement: import order (I), pyupgrade (UP), the imports pyupgrade
+   leaves unused (F401: ``Optional`` once ``X | None`` replaces it), stale ``noqa`` (RUF100);
 3. runs ``ruff format``.
 
 Run from any checkout, with no arguments, after a merge or a rewrite:
 
     python3 tools/dev/reformat.py
 
-then ``ruff check`` lists what is left for a person (unused names, bugbear's findings, long strings).
+then ``ruff check`` lists what is left for a person (unused variables, bugbear's findings, long strings),
+and ``git diff`` shows what changed (an import dropped as unused that another module imports from there
+would fail the tests).
 Only the files git tracks are touched. ruff is the pinned one of tools/setup_lint_env.sh unless --ruff
 names another.
 """
@@ -25,7 +28,7 @@ import tokenize
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MARKER = "# fmt: skip"
 # fixes that are the same whoever applies them
-MECHANICAL_FIXES = "I,UP,RUF100"
+MECHANICAL_FIXES = "I,UP,F401,RUF100"
 # a detectron2 config key, as in an override list: "MODEL.RESNETS.NORM"
 CONFIG_KEY = re.compile(r"^[A-Z][A-Z0-9_]*(\.[A-Z0-9_]+)+$")
 TABLE_BUILDERS = ("frozenset", "set", "tuple")
