@@ -21,7 +21,8 @@ demo:
 	$$py tools/analyze_norms.py --config-file configs/demo_mask_rcnn_sn.yaml
 	$$py tools/demo.py --config-file configs/demo_mask_rcnn_sn.yaml --class-agnostic-nms 0.5
 
-# The whole suite on the reference stack; then the Triton kernels, run by Triton's interpreter on the CPU
+# The linter and the formatter's check first (seconds, in an environment of their own), then the whole
+# suite on the reference stack; then the Triton kernels, run by Triton's interpreter on the CPU
 # in a second environment with current torch and Triton (the reference stack's Triton 2.3.1 cannot
 # interpret them), with the layer tests that go through them there.
 KERNEL_TESTS := tests/kernels tests/layers/test_moment_normalizer.py tests/layers/test_edge_cases.py \
@@ -33,6 +34,9 @@ KERNEL_TESTS := tests/kernels tests/layers/test_moment_normalizer.py tests/layer
 PARALLEL := --numprocesses auto --maxprocesses 4 --dist loadfile
 
 test:
+	ruff=$$(tools/setup_lint_env.sh)
+	$$ruff check
+	$$ruff format --check
 	py=$$(tools/setup_env.sh)
 	$$py -m pytest $(PARALLEL) tests
 	kpy=$$(tools/setup_kernel_env.sh)

@@ -217,7 +217,7 @@ def _parse(parser: argparse.ArgumentParser, arguments: list[str]):
 
 def _override_problem(namespace: argparse.Namespace) -> Optional[str]:
     """Whether the trailing overrides are flags put too late, or not of the config."""
-    opts = [word for word in getattr(namespace, "opts", None) or []]
+    opts = list(getattr(namespace, "opts", None) or [])
     late = [word for word in opts if word.startswith("--")]
     if late:
         return f"{late} after the config overrides would be read as overrides: put the flags before them"

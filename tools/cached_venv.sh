@@ -1,13 +1,14 @@
 # Sourced by tools/setup_env.sh and tools/setup_kernel_env.sh: one cached virtual environment per pinned
 # stack and interpreter, with sn_detection installed into it.
 #
-#     cached_venv VERSION REQUIREMENTS PYTHON_VARIABLE VENV_VARIABLE NAME LABEL DURATION
+#     cached_venv VERSION REQUIREMENTS PYTHON_VARIABLE VENV_VARIABLE NAME LABEL DURATION [CHECKOUT]
 #
 # finds CPython VERSION (as $PYTHON_VARIABLE, then pythonVERSION on PATH, then pyenv's VERSION.*), creates
 # or reuses the environment $VENV_VARIABLE, by default NAME-<hash> in the user cache, where the hash covers
 # the pinned REQUIREMENTS and the interpreter (a changed pin builds a new one, an unchanged pin reuses it),
-# installs this checkout into it (editable, without dependencies) and prints its python on stdout; all
-# else goes to stderr. LABEL and DURATION (how long a first build takes) make its progress message.
+# installs this checkout into it (editable, without dependencies; CHECKOUT=no leaves it out, for a tools'
+# environment) and prints its python on stdout; all else goes to stderr. LABEL and DURATION (how long a
+# first build takes) make its progress message.
 
 is_python_version() {
   "$1" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$2'.split('.'))))" >/dev/null 2>&1
@@ -46,6 +47,7 @@ find_python() {
 
 cached_venv() {
   local version=$1 requirements=$2 python_variable=$3 venv_variable=$4 name=$5 label=$6 duration=$7
+  local checkout=${8:-yes}
   local repo python stack_id venv
   repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   python=$(find_python "$version" "$python_variable")
@@ -67,7 +69,9 @@ cached_venv() {
   fi
   # Editable and without dependencies: quick. It points the environment at this checkout until another
   # one is set up; the make targets put their own checkout first on PYTHONPATH.
-  "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$repo" >&2
+  if [ "$checkout" != no ]; then
+    "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$repo" >&2
+  fi
   flock -u 9
   echo "$venv/bin/python"
 }

@@ -19,7 +19,7 @@ measured on data (see ``gates``); a state dict only tells where those layers are
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -75,7 +75,7 @@ class ModeGates:
     dominant_probability: Optional[float] = None
 
 
-Choice = Union[SwitchableChoice, DynamicChoice]
+Choice = SwitchableChoice | DynamicChoice
 
 
 def switchable_choice(layer: str, module: SwitchableNorm2d) -> SwitchableChoice:

@@ -9,9 +9,10 @@ MGN layer of a model and, for each input, recomputes the gates from the layer's 
 
 The gates are recomputed here with the layer's own ``gate_logits`` rather than read from the layers so
 that the layers' forward stays as it is (no extra outputs or state on the hot path); the cost is one mean
-over H, W per recorded input, and nothing at all when no recorder is active. Per layer it keeps, over all assignments seen: the mean gate
-probability of each mode, the mean entropy of an assignment divided by log K (0: every assignment picks
-one mode; 1: uniform; 0 for K = 1), and the mean largest probability (how decisive assignments are).
+over H, W per recorded input, and nothing at all when no recorder is active. Per layer it keeps, over all
+assignments seen: the mean gate probability of each mode, the mean entropy of an assignment divided by
+log K (0: every assignment picks one mode; 1: uniform; 0 for K = 1), and the mean largest probability (how
+decisive assignments are).
 """
 
 from __future__ import annotations

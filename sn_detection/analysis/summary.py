@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence, Union
+from typing import Callable, Iterable, Sequence
 
 from .choices import STATISTICS, DynamicChoice, ModeGates, SwitchableChoice
 
-Record = Union[SwitchableChoice, DynamicChoice, ModeGates]
+Record = SwitchableChoice | DynamicChoice | ModeGates
 KINDS = ("SN", "DN", "MN", "MGN")
 
 

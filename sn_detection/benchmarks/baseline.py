@@ -83,7 +83,7 @@ def baseline_twin(package: ModuleType, layer: nn.Module) -> nn.Module:
 def with_baseline_norms(package: ModuleType, model: nn.Module, *, norm_base: type) -> nn.Module:
     """``model`` (changed in place) with every layer of this checkout's ``norm_base`` replaced by its baseline
     twin (``baseline_twin``); returns it."""
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, norm_base):
                 setattr(module, child_name, baseline_twin(package, child))

@@ -154,7 +154,8 @@ def main(argv: Optional[Sequence[str]] = None):
               f"{'(rounds)':>11}")  # fmt: skip
         for label, train in times["train"].items():
             evaluation = times["eval"][label]
-            print(f"{label:{width}} {train['seconds'] * 1e6:8.0f} us {train['ratio']:9.2f}x ({range_text(train['ratio_range'])}) "
+            print(f"{label:{width}} {train['seconds'] * 1e6:8.0f} us {train['ratio']:9.2f}x "
+                  f"({range_text(train['ratio_range'])}) "
                   f"{evaluation['seconds'] * 1e6:8.0f} us {evaluation['ratio']:9.2f}x "
                   f"({range_text(evaluation['ratio_range'])})")  # fmt: skip
         for row in rows:

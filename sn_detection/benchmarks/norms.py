@@ -168,21 +168,24 @@ def print_profile(device, shape, dtype, baseline=None, norms=NORM_NAMES):
             step(layer, x, grad_y)
         torch.cuda.synchronize(device)
         with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-            seconds = device_seconds(lambda: step(layer, x, grad_y), device)
+            seconds = device_seconds(lambda: step(layer, x, grad_y), device)  # noqa: B023 (called here)
         kernels = [event for event in profiler.events() if event.device_type == torch.autograd.DeviceType.CUDA]
         busy = sum(event.time_range.elapsed_us() for event in kernels) / 1e3
         names = {}
         for event in kernels:
             names[event.name] = names.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3
         top = ", ".join(f"{name[:40]} {ms:.3f}" for name, ms in sorted(names.items(), key=lambda item: -item[1])[:5])
-        print(f"{'x'.join(map(str, shape))} {label:23} wall {1e3 * seconds:7.3f} ms, {len(kernels):4} kernels, GPU {busy:7.3f} ms: {top}")
+        print(
+            f"{'x'.join(map(str, shape))} {label:23} wall {1e3 * seconds:7.3f} ms, {len(kernels):4} kernels, "
+            f"GPU {busy:7.3f} ms: {top}"
+        )
 
 
 def print_table(rows):
     width = max(13, *(len(row["layer"]) for row in rows))
     header = (
-        f"{'device':6} {'shape':20} {'layer':{width}} {'fwd+bwd ms':>10} {'x GN':>6} {'rounds':>11} {'memory MiB':>10} {'x GN':>6} "
-        f"{'time x multi-op':>15} {'mem x multi-op':>14}"
+        f"{'device':6} {'shape':20} {'layer':{width}} {'fwd+bwd ms':>10} {'x GN':>6} {'rounds':>11} "
+        f"{'memory MiB':>10} {'x GN':>6} {'time x multi-op':>15} {'mem x multi-op':>14}"
     )
     print(header)
     print("-" * len(header))

@@ -73,7 +73,7 @@ def resolve_norms(cfg: CfgNode) -> CfgNode:
 
 
 @META_ARCH_REGISTRY.register()
-def SNMetaArch(cfg: CfgNode) -> nn.Module:  # noqa: N802  (registered names are detectron2's CamelCase)
+def SNMetaArch(cfg: CfgNode) -> nn.Module:
     """The model of ``cfg.MODEL.SN.META_ARCHITECTURE`` with our norms built with the options of
     ``cfg.MODEL.SN`` (module docstring). A layer that refuses its options for its channels (a group count
     that does not divide them) fails with a ValueError naming the config keys they come from."""

@@ -27,7 +27,7 @@ def batch_average_cfg(num_batches=3, eval_period=2):
 
 
 def test_hook_order_puts_it_before_checkpointing_and_evaluation():
-    timer, evaluation = IterationTimer(), EvalHook(0, lambda: {})
+    timer, evaluation = IterationTimer(), EvalHook(0, dict)
     checkpointer = PeriodicCheckpointer.__new__(PeriodicCheckpointer)
     hook = BatchAverage(nn.Identity(), list, num_batches=1, period=0)
     hooks = [timer, None, checkpointer, evaluation]

@@ -16,7 +16,7 @@ from sn_detection.experiments.compare_norms.runs import RunResult, loss_curve, r
 def result(setting, seed, box_ap, mask_ap, batch_average=0, wall_s=100.0, backbone_top1=math.nan, weights=None,
            code=("git a",)):  # fmt: skip
     backbone, _, head = setting.partition("/")
-    metrics = {column: math.nan for column in ("box_AP50", "box_AP75", "mask_AP50", "mask_AP75")}
+    metrics = dict.fromkeys(("box_AP50", "box_AP75", "mask_AP50", "mask_AP75"), math.nan)
     metrics.update(box_AP=box_ap, mask_AP=mask_ap)
     metrics.update(box_AP50=2 * box_ap, mask_AP50=2 * mask_ap)
     return RunResult(setting, backbone, head or backbone, seed, 400, batch_average, metrics, wall_s, 0.25, 1.5, "x",

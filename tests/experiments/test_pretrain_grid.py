@@ -84,7 +84,7 @@ def test_the_grids_cells_are_the_backbones_the_finetune_sweep_asks_for(tmp_path,
     paths = {norm: cached_backbone_path(config) for norm, config in configs.items()}
     bn = cached_backbone_path(cell_cfg(cfg, cells["BN-lr0.1-warmup40"]))
     assert paths == {"FrozenBN": bn, "BN": bn, "SN": cached_backbone_path(cell_cfg(cfg, cells["SN-lr0.2-warmup0"]))}
-    assert len(set(cached_backbone_folder(cell_cfg(cfg, cell)) for cell in cells.values())) == len(cells)
+    assert len({cached_backbone_folder(cell_cfg(cfg, cell)) for cell in cells.values()}) == len(cells)
     # the config's own warm-up and LR: the backbone the sweep finetunes from without --backbones
     default = compare_plan.pretraining_configs(cfg, settings[1:2])["BN"]
     own = Cell("BN", (("PRETRAIN.BASE_LR", cfg.PRETRAIN.BASE_LR), ("PRETRAIN.WARMUP_ITERS", cfg.PRETRAIN.WARMUP_ITERS)))

@@ -3,8 +3,9 @@ without a GPU: the interpreter runs kernels as Python and misses what only the c
 loop-carried values, power-of-two ranges, constexpr specializations of integers equal to 1).
 
 The layers run here under the interpreter, in training and evaluation, with and without gradients (for x
-too), fp32 / fp16 / bf16, NCHW and channels_last, on shapes that take different tile sizes; each launch's signature is recorded where
-``kernel_launch.observed_launches`` sees it, and a subprocess without the interpreter compiles every distinct one.
+too), fp32 / fp16 / bf16, NCHW and channels_last, on shapes that take different tile sizes; each launch's
+signature is recorded where ``kernel_launch.observed_launches`` sees it, and a subprocess without the
+interpreter compiles every distinct one.
 """
 
 import contextlib

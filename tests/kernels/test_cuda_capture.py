@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from sn_detection.layers import NORM_NAMES, build_norm  # noqa: E402
+from sn_detection.layers import NORM_NAMES, build_norm
 
 
 def layer_and_inputs(name, training, dtype=torch.float32, n=2):

@@ -168,7 +168,7 @@ def test_half_precision_parameters_get_gradients_in_their_dtype(dtype):
     layer = make_layer(16, "mixed", batch_pool=True, seed=9).to(dtype).train()
     x, grad_y = make_input((2, 16, 2, 2), seed=10, dtype=dtype)
     fused = run(copy.deepcopy(layer), x, grad_y)
-    for name, parameter in layer.named_parameters():
+    for name, _ in layer.named_parameters():
         assert fused[name].dtype == dtype, name
     assert_matches(fused, run(copy.deepcopy(layer), x, grad_y, oracle), tolerance=ROUNDED[dtype], rounded=ROUNDED[dtype])
 

@@ -241,8 +241,9 @@ def test_large_channel_means_keep_fp32_accuracy(name, training, gates, monkeypat
     """Channel means 1e4 times their spread: against float64 on the same values, every output, gradient and
     buffer is within a few times fp32's rounding of the means (1e4 * 2^-24) or within 4 times the existing
     PyTorch path's own error, whichever is larger (the gates of such inputs are functions of 1e4-sized
-    means, so the gate weights' gradients, products with those means, are only as precise as those). Saturated gates (0 or 1: MN's unused modes are clamped) with the layer's weights, soft ones with
-    the gate's weights scaled by 1e-4."""
+    means, so the gate weights' gradients, products with those means, are only as precise as those).
+    Saturated gates (0 or 1: MN's unused modes are clamped) with the layer's weights, soft ones with the
+    gate's weights scaled by 1e-4."""
     layer = make(name, 24, 3, training)
     with torch.no_grad():
         if gates == "soft":

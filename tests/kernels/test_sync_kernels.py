@@ -17,10 +17,10 @@ if os.environ.get("TRITON_INTERPRET", "0") != "1":
 if int(triton.__version__.split(".")[0]) < 3:
     pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
 
-from gloo_processes import run_processes  # noqa: E402  (after the skips)
+from gloo_processes import run_processes
 
-from sn_detection.layers import SwitchableNorm2d, SyncSwitchableNorm2d  # noqa: E402
-from sn_detection.layers.launch_counts import recorded_kernels  # noqa: E402
+from sn_detection.layers import SwitchableNorm2d, SyncSwitchableNorm2d
+from sn_detection.layers.launch_counts import recorded_kernels
 
 CHANNELS = 6
 WORLD_SIZE = 2

@@ -21,15 +21,15 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from detectron2.engine import AMPTrainer, HookBase, SimpleTrainer  # noqa: E402
-from detectron2.utils.events import EventStorage  # noqa: E402
-from tiny_pretraining import tiny_cfg  # noqa: E402
-from torch import nn  # noqa: E402
+from detectron2.engine import AMPTrainer, HookBase, SimpleTrainer
+from detectron2.utils.events import EventStorage
+from tiny_pretraining import tiny_cfg
+from torch import nn
 
-from sn_detection.pretraining.graphed_step import (  # noqa: E402
+from sn_detection.pretraining.graphed_step import (
     WARMUP_STEPS, GraphedAMPTrainer, GraphedSteps, GraphedTrainer,
 )
-from sn_detection.pretraining.train import BACKBONE_FILE, pretrain  # noqa: E402
+from sn_detection.pretraining.train import BACKBONE_FILE, pretrain
 
 ITERATIONS = 12
 # warm-up over 4 iterations then a cosine: the rate moves at every replay; an evaluation, checkpoints and

@@ -190,10 +190,10 @@ def differences_table(pairs: Sequence[PairedDifference]) -> str:
               *(f"{name} ahead in" for name in _DIFFERENCE_VALUES)]  # fmt: skip
     lines = [
         "#### Within a backbone", "",
-        "Each seed's run of a setting minus the same seed's run of a baseline that started from the same "
+        ("Each seed's run of a setting minus the same seed's run of a baseline that started from the same "
         "pretrained weights, so that the backbone's draw cancels (where every seed started from one backbone, "
         "the differences are that backbone's): mean ± sample standard deviation of those differences over "
-        "the seeds, and in how many of them the setting was ahead.", "",
+        "the seeds, and in how many of them the setting was ahead."), "",
         "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
     ]  # fmt: skip
     for pair in pairs:
