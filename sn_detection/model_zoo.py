@@ -28,8 +28,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from .conversion.conventions import INPUT_CONVENTIONS, InputConvention
 
@@ -107,8 +107,8 @@ class Entry:
     backbone: str
     head: str
     pretrained: str
-    box_ap: Optional[float] = None
-    mask_ap: Optional[float] = None
+    box_ap: float | None = None
+    mask_ap: float | None = None
     note: str = ""
 
     @property
@@ -136,7 +136,9 @@ _SCRATCH_NOTE = "not in the SN paper; from scratch, with the 3x schedule of the 
 CATALOG = (
     # Setting 1: Faster R-CNN R50-C4 (Table 3, box AP).
     Entry("faster_rcnn_c4_frozenbn_1x", 1, "FrozenBN", "FrozenBN", "torchvision", 29.6),
-    Entry("faster_rcnn_c4_bn_1x", 1, "BN", "BN", "torchvision", 19.3, note="BN finetuned at 2 images per GPU (paper: 3)"),
+    Entry(
+        "faster_rcnn_c4_bn_1x", 1, "BN", "BN", "torchvision", 19.3, note="BN finetuned at 2 images per GPU (paper: 3)"
+    ),
     Entry("faster_rcnn_c4_gn_1x", 1, "GN", "GN", "gn", 32.7),
     Entry("faster_rcnn_c4_sn_1x", 1, "SN", "SN", "sn", 33.0),
     Entry("faster_rcnn_c4_bn_scratch_1x", 1, "BN", "BN", "scratch", 20.0),
@@ -152,7 +154,13 @@ CATALOG = (
     Entry("faster_rcnn_mgn_1x", 2, "MGN", "MGN", "gn", note=_MGN_NOTE),
     # Setting 3: Mask R-CNN R50-FPN 2x (Table 5, box and mask AP).
     Entry(
-        "mask_rcnn_frozenbn_2x", 3, "FrozenBN", "", "msra", 38.6, 34.2,
+        "mask_rcnn_frozenbn_2x",
+        3,
+        "FrozenBN",
+        "",
+        "msra",
+        38.6,
+        34.2,
         note="Detectron's baseline: 2fc box head; the authors' code: 38.6 / 34.2-34.5",
     ),
     Entry("mask_rcnn_frozenbn_gn_2x", 3, "FrozenBN", "GN", "msra", 39.5, 34.4),
@@ -179,9 +187,9 @@ class Measurement:
     config: str
     iterations: int
     box_ap: float
-    mask_ap: Optional[float] = None
-    box_ap50: Optional[float] = None
-    mask_ap50: Optional[float] = None
+    mask_ap: float | None = None
+    box_ap50: float | None = None
+    mask_ap50: float | None = None
     duration: str = ""
     note: str = ""
     machine: str = ""
@@ -269,11 +277,11 @@ def get_lazy_config(name: str):
     return LazyConfig.load(get_lazy_config_file(name))
 
 
-def _ap(value: Optional[float]) -> str:
+def _ap(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}"
 
 
-def catalog_table(sections_dir: str = SECTIONS_DIR, measured: Optional[Sequence[Measurement]] = None) -> str:
+def catalog_table(sections_dir: str = SECTIONS_DIR, measured: Sequence[Measurement] | None = None) -> str:
     """The README's generated part: the pretrained backbones, one table of configs per setting, the
     measured AP (``measured``, by default ``load_measured()``), then the markdown files of
     ``sections_dir`` (if it exists) in name order."""
@@ -306,7 +314,7 @@ def _pretrained_table() -> str:
     rows = []
     for key, source in PRETRAINED.items():
         c = source.convention
-        weights = f"`{source.weights}`" if source.weights else "`\"\"`"
+        weights = f"`{source.weights}`" if source.weights else '`""`'
         numbers = f"{list(c.pixel_mean)} / {list(c.pixel_std)}"
         rows.append([key, weights, source.origin, c.input_format, numbers, str(c.stride_in_1x1)])
     header = ["pretrained", "MODEL.WEIGHTS", "origin", "FORMAT", "PIXEL_MEAN / PIXEL_STD", "STRIDE_IN_1X1"]
@@ -322,7 +330,9 @@ def _settings_table(setting: int, measured: Sequence[Measurement]) -> str:
         if entry.setting == setting:
             backbone, head = entry.labels()
             row = [f"[{entry.name}](../configs/{entry.name}.yaml)", backbone, head, entry.pretrained, _ap(entry.box_ap)]
-            rows.append(row + ([_ap(entry.mask_ap)] if mask else []) + [_our_ap(measured, entry.name, mask), entry.note])
+            rows.append(
+                row + ([_ap(entry.mask_ap)] if mask else []) + [_our_ap(measured, entry.name, mask), entry.note]
+            )
     return _markdown(header, rows)
 
 
@@ -338,10 +348,18 @@ def _our_ap(measured: Sequence[Measurement], config: str, mask: bool) -> str:
 def _measured_section(measured: Sequence[Measurement]) -> str:
     header = ["config", "iterations", "box AP", "box AP50", "mask AP", "mask AP50", "time", "notes"]
     rows = [
-        [f"[{m.config}](../configs/{m.config}.yaml)", str(m.iterations), _ap(m.box_ap), _ap(m.box_ap50),
-         _ap(m.mask_ap), _ap(m.mask_ap50), m.duration or "–", m.note]
+        [
+            f"[{m.config}](../configs/{m.config}.yaml)",
+            str(m.iterations),
+            _ap(m.box_ap),
+            _ap(m.box_ap50),
+            _ap(m.mask_ap),
+            _ap(m.mask_ap50),
+            m.duration or "–",
+            m.note,
+        ]
         for m in measured
-    ]  # fmt: skip
+    ]
     machines = list(dict.fromkeys(m.machine for m in measured if m.machine))
     where = f", on {'; '.join(machines)}" if machines else ""
     intro = (

@@ -9,14 +9,13 @@ import pytest
 import torch
 from detectron2.config import get_cfg
 from detectron2.data import DatasetCatalog, DatasetMapper
-from detectron2.utils.events import EventStorage
-
 from detectron2.modeling import build_model
+from detectron2.utils.events import EventStorage
 
 from sn_detection import model_zoo  # importing sn_detection registers our norm names
 from sn_detection.d2 import add_sn_config, build_optimizer
-from sn_detection.layers import update_batch_average
 from sn_detection.data.datasets import register_shapes_datasets
+from sn_detection.layers import update_batch_average
 
 CONFIG_DIR = model_zoo.CONFIG_DIR
 CONFIGS = sorted(os.path.basename(path)[: -len(".yaml")] for path in glob.glob(os.path.join(CONFIG_DIR, "*.yaml")))

@@ -49,8 +49,15 @@ def fenced(language: str) -> list[str]:
 
 def annotation(index: int, image_id: int, category_id: int, box: list, segmentation, crowd: int = 0) -> dict:
     area = box[2] * box[3]
-    return {"id": index, "image_id": image_id, "category_id": category_id, "bbox": box, "area": area,
-            "segmentation": segmentation, "iscrowd": crowd}
+    return {
+        "id": index,
+        "image_id": image_id,
+        "category_id": category_id,
+        "bbox": box,
+        "area": area,
+        "segmentation": segmentation,
+        "iscrowd": crowd,
+    }
 
 
 def write_split(folder, split: str, num_images: int, seed: int) -> None:

@@ -138,9 +138,19 @@ def test_figures_are_read_from_prose_and_tables_not_from_code():
         "| SN layer | 1.10-1.31x | 1.09x | 160 px | 7 of 10 | 2026-11-28 | top-1 against 45 % |"
     )
     assert figures(text) == [
-        "83.2-84.8 %", "48.7-68.9 %", "840 iterations", "+1.3 ± 0.6 box AP", "+11.4", "0.204 ms",
-        "2x256x100x168", "1.10-1.31x", "1.09x", "160 px", "45 %", "0.090 ms",
-    ]  # fmt: skip
+        "83.2-84.8 %",
+        "48.7-68.9 %",
+        "840 iterations",
+        "+1.3 ± 0.6 box AP",
+        "+11.4",
+        "0.204 ms",
+        "2x256x100x168",
+        "1.10-1.31x",
+        "1.09x",
+        "160 px",
+        "45 %",
+        "0.090 ms",
+    ]
 
 
 def test_a_figure_is_found_verbatim_in_a_table_cell_or_by_its_range_ends():

@@ -24,7 +24,6 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import Optional
 
 import pytest
 
@@ -107,7 +106,7 @@ def written_commands(page: str, text: str) -> list[Written]:
     return sorted(commands, key=lambda command: command.line)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tool_parser(name: str) -> argparse.ArgumentParser:
     """The parser of tools/NAME.py: ``build_parser()`` of the module of the ``main`` it runs."""
     spec = importlib.util.spec_from_file_location(f"documented_tool_{name}", os.path.join(ROOT, "tools", f"{name}.py"))
@@ -137,7 +136,7 @@ def _is_flag(word: str) -> bool:
     return word.startswith("-") and len(word) > 1 and not NUMBER.fullmatch(word)
 
 
-def _action(parser: argparse.ArgumentParser, flag: str) -> Optional[argparse.Action]:
+def _action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action | None:
     """The action a flag names: its option string, or an unambiguous prefix of one (argparse takes both)."""
     actions = {option: action for action in parser._actions for option in action.option_strings}
     if flag in actions:
@@ -197,8 +196,11 @@ def _arguments(parser, words: list[str], complete: bool) -> tuple[list[str], lis
             arguments.append(_sample(action))  # inline code naming a flag without its value
     if not complete:
         required = [a for a in parser._actions if a.required and a.option_strings and a not in given]
-        required += [group._group_actions[0] for group in parser._mutually_exclusive_groups
-                     if group.required and not given & set(group._group_actions)]  # fmt: skip
+        required += [
+            group._group_actions[0]
+            for group in parser._mutually_exclusive_groups
+            if group.required and not given & set(group._group_actions)
+        ]
         positional = [a for a in parser._actions if not a.option_strings and a.nargs not in ("?", "*", "...")]
         filled = [word for action in required for word in (action.option_strings[0], _sample(action))]
         arguments = ["x"] * max(0, len(positional) - bare) + filled + arguments
@@ -215,7 +217,7 @@ def _parse(parser: argparse.ArgumentParser, arguments: list[str]):
             return None, stderr.getvalue().strip().splitlines()[-1].partition("error: ")[2]
 
 
-def _override_problem(namespace: argparse.Namespace) -> Optional[str]:
+def _override_problem(namespace: argparse.Namespace) -> str | None:
     """Whether the trailing overrides are flags put too late, or not of the config."""
     opts = list(getattr(namespace, "opts", None) or [])
     late = [word for word in opts if word.startswith("--")]
@@ -313,14 +315,20 @@ def test_the_check_finds_what_would_not_run():
     expected = [
         ("self_test.md:6: `tools/no_such_tool.py --config-file CONFIG`", "tools/no_such_tool.py does not exist"),
         ("self_test.md:7: `tools/train_net.py", "has no flag --no-such-flag"),
-        ("self_test.md:11: `tools/benchmark_norms.py --device cpu,cuda`",
-         "argument --device: invalid choice: 'cpu,cuda' (choose from 'cpu', 'cuda')"),  # fmt: skip
-        ("self_test.md:12: `tools/convert_pretrained.py x.pth y.pkl --source {sn,caffe}`",
-         "argument --source: invalid choice: 'caffe'"),  # fmt: skip
+        (
+            "self_test.md:11: `tools/benchmark_norms.py --device cpu,cuda`",
+            "argument --device: invalid choice: 'cpu,cuda' (choose from 'cpu', 'cuda')",
+        ),
+        (
+            "self_test.md:12: `tools/convert_pretrained.py x.pth y.pkl --source {sn,caffe}`",
+            "argument --source: invalid choice: 'caffe'",
+        ),
         ("self_test.md:15: `tools/train_net.py", "configs/no_such_config.yaml does not exist"),
         ("self_test.md:15: `tools/train_net.py", "['--resume'] after the config overrides"),
-        ("self_test.md:16: `tools/train_net.py --config-file CONFIG SOLVER.NO_SUCH_KEY 10`",
-         "Non-existent key: SOLVER.NO_SUCH_KEY"),  # fmt: skip
+        (
+            "self_test.md:16: `tools/train_net.py --config-file CONFIG SOLVER.NO_SUCH_KEY 10`",
+            "Non-existent key: SOLVER.NO_SUCH_KEY",
+        ),
         ("self_test.md:17: `tools/benchmark_train.py", "a LazyConfig takes key=value overrides"),
         ("self_test.md:18: `tools/demo.py --num-images 8`", "the following arguments are required: --config-file"),
     ]

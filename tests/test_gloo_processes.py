@@ -34,7 +34,9 @@ def test_processes_share_one_group_and_leave_it():
 def test_a_failing_rank_fails_the_test_with_its_reason():
     """Rank 0 fails too, in its barrier, when rank 1 leaves; what is raised is rank 1's own failure,
     whichever of the two torch's join sees first."""
-    with pytest.raises(RuntimeError, match="(?s)failed in 1 of 2 processes:\nrank 1: Traceback .*AssertionError: rank 1 refuses"):
+    with pytest.raises(
+        RuntimeError, match="(?s)failed in 1 of 2 processes:\nrank 1: Traceback .*AssertionError: rank 1 refuses"
+    ):
         run_processes(_rank_1_fails, (), nprocs=2)
 
 

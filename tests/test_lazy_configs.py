@@ -110,12 +110,16 @@ def test_the_lazy_schedule_is_its_yaml_twin(lazy):
     solver, optimizer = twin.SOLVER, cfg.optimizer
     assert cfg.train.max_iter == solver.MAX_ITER
     assert (optimizer.lr, optimizer.momentum, optimizer.weight_decay) == (
-        solver.BASE_LR, solver.MOMENTUM, solver.WEIGHT_DECAY,
-    )  # fmt: skip
+        solver.BASE_LR,
+        solver.MOMENTUM,
+        solver.WEIGHT_DECAY,
+    )
     params = optimizer.params
     assert (params.weight_decay_norm, params.gate_lr_factor, params.gate_weight_decay) == (
-        solver.WEIGHT_DECAY_NORM, solver.GATE_LR_FACTOR, solver.GATE_WEIGHT_DECAY,
-    )  # fmt: skip
+        solver.WEIGHT_DECAY_NORM,
+        solver.GATE_LR_FACTOR,
+        solver.GATE_WEIGHT_DECAY,
+    )
     ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=optimizer.lr)
     theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=solver.BASE_LR)
     lazy_rates = learning_rates(LRMultiplier(ours, instantiate(cfg.lr_multiplier), cfg.train.max_iter), solver.MAX_ITER)
@@ -164,8 +168,12 @@ def test_the_tool_trains_with_the_hooks_and_evaluates(tmp_path):
     config = tiny_demo(tmp_path / "run")
     result = subprocess.run(
         [sys.executable, os.path.join(REPO, "tools", "lazyconfig_train_net.py"), "--config-file", str(config)],
-        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     output = tmp_path / "run"
     assert "Batch average: statistics of" in result.stdout + result.stderr

@@ -51,9 +51,13 @@ def test_an_unknown_name_lists_the_valid_ones():
 
 def test_the_lazy_configs_are_found_by_name():
     assert model_zoo.lazy_names() == (
-        "demo_mask_rcnn_sn", "mask_rcnn_dn_2x", "mask_rcnn_gn_lsj_100ep", "mask_rcnn_mgn_2x", "mask_rcnn_sn_2x",
+        "demo_mask_rcnn_sn",
+        "mask_rcnn_dn_2x",
+        "mask_rcnn_gn_lsj_100ep",
+        "mask_rcnn_mgn_2x",
+        "mask_rcnn_sn_2x",
         "mask_rcnn_sn_lsj_100ep",
-    )  # fmt: skip
+    )
     path = model_zoo.get_lazy_config_file("mask_rcnn_sn_2x")
     assert path == os.path.join(model_zoo.LAZY_CONFIG_DIR, "mask_rcnn_sn_2x.py") and os.path.isfile(path)
     assert model_zoo.get_lazy_config("mask_rcnn_sn_2x").model.backbone.bottom_up.stages.norm.name == "SN"

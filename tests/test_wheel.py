@@ -97,9 +97,13 @@ def test_the_wheel_serves_every_config_without_the_repository(installed, tmp_pat
         if entry.setting != 1:  # setting 1 (C4) has no FPN
             assert fpn == entry.head, entry.name
     assert loaded["lazy"] == {
-        "demo_mask_rcnn_sn": "SN", "mask_rcnn_dn_2x": "DN", "mask_rcnn_gn_lsj_100ep": "GN", "mask_rcnn_mgn_2x": "MGN",
-        "mask_rcnn_sn_2x": "SN", "mask_rcnn_sn_lsj_100ep": "SyncSN",
-    }  # fmt: skip
+        "demo_mask_rcnn_sn": "SN",
+        "mask_rcnn_dn_2x": "DN",
+        "mask_rcnn_gn_lsj_100ep": "GN",
+        "mask_rcnn_mgn_2x": "MGN",
+        "mask_rcnn_sn_2x": "SN",
+        "mask_rcnn_sn_lsj_100ep": "SyncSN",
+    }
     assert tuple(loaded["lazy"]) == model_zoo.lazy_names()
 
 
@@ -107,8 +111,12 @@ def test_rendering_from_the_wheel_says_it_needs_a_checkout(installed, tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     env["PYTHONPATH"] = str(installed)
     result = subprocess.run(
-        [sys.executable, "-m", "sn_detection.model_zoo"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "sn_detection.model_zoo"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "run this from a checkout" in result.stderr

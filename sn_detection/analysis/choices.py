@@ -18,8 +18,8 @@ measured on data (see ``gates``); a state dict only tells where those layers are
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -70,9 +70,9 @@ class ModeGates:
     channels: int
     num_modes: int
     assignments: int = 0
-    mode_probabilities: Optional[tuple[float, ...]] = None
-    entropy: Optional[float] = None
-    dominant_probability: Optional[float] = None
+    mode_probabilities: tuple[float, ...] | None = None
+    entropy: float | None = None
+    dominant_probability: float | None = None
 
 
 Choice = SwitchableChoice | DynamicChoice

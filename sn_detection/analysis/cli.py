@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from detectron2.data import build_detection_test_loader
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.checkpoint and args.opts:
@@ -124,7 +124,7 @@ def _state_dict(checkpoint, path: str) -> dict:
     raise ValueError(f"{path}: expected a state dict, or a checkpoint holding one under 'model' or 'state_dict'")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> list[str]:
+def main(argv: Sequence[str] | None = None) -> list[str]:
     """Run tools/analyze_norms.py; returns the files written."""
     args = parse_args(argv)
     if args.config_file:

@@ -61,9 +61,9 @@ class _GateSums:
 class GateRecorder:
     """Records the gate statistics of every MN / MGN layer of ``model`` while active::
 
-        with GateRecorder(model) as recorder:
-            model(batch)
-        recorder.results()   # a ModeGates per layer, in module order
+    with GateRecorder(model) as recorder:
+        model(batch)
+    recorder.results()   # a ModeGates per layer, in module order
     """
 
     def __init__(self, model: nn.Module):
@@ -71,7 +71,7 @@ class GateRecorder:
         self._sums = {name: _GateSums(m.num_modes) for name, m in self._layers.items()}
         self._handles = []
 
-    def start(self) -> "GateRecorder":
+    def start(self) -> GateRecorder:
         """Attach the forward pre-hooks (also done by ``with``)."""
         for name, module in self._layers.items():
             self._handles.append(module.register_forward_pre_hook(self._observer(name)))
@@ -83,7 +83,7 @@ class GateRecorder:
             handle.remove()
         self._handles = []
 
-    def __enter__(self) -> "GateRecorder":
+    def __enter__(self) -> GateRecorder:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:

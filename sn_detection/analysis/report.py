@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import csv
 import os
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .choices import DynamicChoice
 from .plots import plot_dynamic, plot_mode_gates, plot_switchable
@@ -128,11 +128,18 @@ def _dynamic_section(summaries: Sequence[ComponentSummary], records: Sequence[Re
             rows.append([s.component, str(s.layers), *shares, f"{s.metrics['median_groups']:g}"])
     header = ["component", "DN layers", "IN", "GN", "LN", "pools batch", "strided", "median groups"]
     layers = [
-        [r.layer, str(r.channels), str(r.num_groups), str(r.group_size), r.channel_pooling,
-         "yes" if r.contiguous else "no", "yes" if r.pools_batch else "no"]
+        [
+            r.layer,
+            str(r.channels),
+            str(r.num_groups),
+            str(r.group_size),
+            r.channel_pooling,
+            "yes" if r.contiguous else "no",
+            "yes" if r.pools_batch else "no",
+        ]
         for r in records
         if isinstance(r, DynamicChoice)
-    ]  # fmt: skip
+    ]
     layer_header = ["layer", "channels", "groups", "group size", "grouping", "contiguous", "pools batch"]
     text = (
         "## Dynamic Normalization: selected pooling\n\n"
@@ -152,8 +159,16 @@ def _mode_section(summaries: Sequence[ComponentSummary], chart: bool) -> str:
                 rows.append([s.component, s.kind, str(s.layers), "not observed", "–", "–"])
                 continue
             modes = " / ".join(_number(v) for name, v in s.metrics.items() if name.startswith("mode_"))
-            rows.append([s.component, s.kind, str(s.layers), modes, _number(s.metrics["entropy"]),
-                         _number(s.metrics["dominant"])])  # fmt: skip
+            rows.append(
+                [
+                    s.component,
+                    s.kind,
+                    str(s.layers),
+                    modes,
+                    _number(s.metrics["entropy"]),
+                    _number(s.metrics["dominant"]),
+                ]
+            )
     header = ["component", "kind", "layers", "mean gate probability per mode", "entropy / log K", "largest probability"]
     text = (
         "## Mode Normalization: gates\n\n"

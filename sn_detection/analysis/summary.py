@@ -22,8 +22,8 @@ Metrics, all in [0, 1] but DN's median group count:
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 from .choices import STATISTICS, DynamicChoice, ModeGates, SwitchableChoice
 
@@ -80,8 +80,10 @@ def summarize(
         groups.setdefault((kind_of(record), component_of(record.layer)), []).append(record)
     rank = {name: i for i, name in enumerate(components)}
     order = sorted(groups, key=lambda key: (KINDS.index(key[0]), rank.get(key[1], len(rank))))
-    return [ComponentSummary(kind, component, len(groups[kind, component]), _average(groups[kind, component]))
-            for kind, component in order]  # fmt: skip
+    return [
+        ComponentSummary(kind, component, len(groups[kind, component]), _average(groups[kind, component]))
+        for kind, component in order
+    ]
 
 
 def _average(records: list[Record]) -> dict[str, float]:

@@ -20,7 +20,7 @@ import copy
 import importlib
 import json
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -110,15 +110,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: CUDA where available, else the CPU")
     parser.add_argument("--json", metavar="PATH", type=output_file, help="also write the rows as JSON")
-    parser.add_argument("--host-time", action="store_true",
-                        help="also time each layer's training step with its Triton launches skipped (needs the kernel path)")
-    parser.add_argument("--rounds", type=positive_int, default=15, help="--host-time: rounds, the layers in turn in each (default: 15)")
-    parser.add_argument("--baseline", metavar="REF", help="--host-time: also time each learned norm as commit REF of "
-                        "this checkout has it, side by side (rows 'NAME @COMMIT')")  # fmt: skip
+    parser.add_argument(
+        "--host-time",
+        action="store_true",
+        help="also time each layer's training step with its Triton launches skipped (needs the kernel path)",
+    )
+    parser.add_argument(
+        "--rounds", type=positive_int, default=15, help="--host-time: rounds, the layers in turn in each (default: 15)"
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="--host-time: also time each learned norm as commit REF of "
+        "this checkout has it, side by side (rows 'NAME @COMMIT')",
+    )
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None):
+def main(argv: Sequence[str] | None = None):
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.baseline and not args.host_time:
@@ -131,33 +140,45 @@ def main(argv: Optional[Sequence[str]] = None):
         parser.error("--device cuda: torch sees no CUDA device")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.host_time and not map_passes.kernel_path(torch.empty(1, 1, 1, 1, device=device)):
-        parser.error(f"--host-time needs the kernel path, which {device.type} tensors do not take here: "
-                     "a CUDA device, or the CPU with TRITON_INTERPRET=1 in the kernel-test environment")
+        parser.error(
+            f"--host-time needs the kernel path, which {device.type} tensors do not take here: "
+            "a CUDA device, or the CPU with TRITON_INTERPRET=1 in the kernel-test environment"
+        )
     rows = layer_counts(device)
     path = "the Triton kernel path" if rows[0]["kernel_path"] else "the PyTorch path (no Triton kernels here)"
     print(f"torch {torch.__version__}, {device.type}, {'x'.join(map(str, rows[0]['shape']))}: {path}")
     profiled = device.type == "cuda"
-    header = f"{'layer':13} {'train launches':>14} {'allocations':>11} {'syncs':>5} {'inference launches':>18} {'syncs':>5}"
+    header = (
+        f"{'layer':13} {'train launches':>14} {'allocations':>11} {'syncs':>5} {'inference launches':>18} {'syncs':>5}"
+    )
     header += f" {'profiler kernels':>16}" if profiled else ""
     print(header + "\n" + "-" * len(header))
     for row in rows:
-        line = (f"{row['layer']:13} {row['train_launches']:14} {row['train_allocations']:11} {row['train_syncs']:5} "
-                f"{row['inference_launches']:18} {row['inference_syncs']:5}")
+        line = (
+            f"{row['layer']:13} {row['train_launches']:14} {row['train_allocations']:11} {row['train_syncs']:5} "
+            f"{row['inference_launches']:18} {row['inference_syncs']:5}"
+        )
         print(line + (f" {row['train_kernels_profiled']:16}" if profiled else ""))
     if args.host_time:
         times = host_times(device, args.rounds, baseline=baseline)
         clock = "wall time" if device.type == "cuda" else "CPU time"
-        print(f"\nhost time ({clock}) with the Triton launches skipped (torch GN whole), {args.rounds} rounds: a "
-              "training step (forward + backward) and an evaluation forward, each beside torch GN(32)'s")  # fmt: skip
+        print(
+            f"\nhost time ({clock}) with the Triton launches skipped (torch GN whole), {args.rounds} rounds: a "
+            "training step (forward + backward) and an evaluation forward, each beside torch GN(32)'s"
+        )
         width = max(13, *map(len, times["train"]))
-        print(f"{'layer':{width}} {'train':>8}    {'x torch GN':>10} {'(rounds)':>11} {'eval':>8}    {'x torch GN':>10} "
-              f"{'(rounds)':>11}")  # fmt: skip
+        print(
+            f"{'layer':{width}} {'train':>8}    {'x torch GN':>10} {'(rounds)':>11} {'eval':>8}    {'x torch GN':>10} "
+            f"{'(rounds)':>11}"
+        )
         for label, train in times["train"].items():
             evaluation = times["eval"][label]
-            print(f"{label:{width}} {train['seconds'] * 1e6:8.0f} us {train['ratio']:9.2f}x "
-                  f"({range_text(train['ratio_range'])}) "
-                  f"{evaluation['seconds'] * 1e6:8.0f} us {evaluation['ratio']:9.2f}x "
-                  f"({range_text(evaluation['ratio_range'])})")  # fmt: skip
+            print(
+                f"{label:{width}} {train['seconds'] * 1e6:8.0f} us {train['ratio']:9.2f}x "
+                f"({range_text(train['ratio_range'])}) "
+                f"{evaluation['seconds'] * 1e6:8.0f} us {evaluation['ratio']:9.2f}x "
+                f"({range_text(evaluation['ratio_range'])})"
+            )
         for row in rows:
             row["host_time"] = times["train"].get(row["layer"])
             row["host_time_eval"] = times["eval"].get(row["layer"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None):
+def main(argv: Sequence[str] | None = None):
     parser = build_parser()
     args = parser.parse_args(argv)
     names = [name for name in args.norms.split(",") if name]
@@ -94,17 +94,23 @@ def main(argv: Optional[Sequence[str]] = None):
         parser.error("the direct launch needs a CUDA device and Triton, without TRITON_INTERPRET=1")
     if not kernel_launch.version_supported():
         versions = ", ".join(kernel_launch.TRITON_VERSIONS)
-        parser.error(f"Triton {kernel_launch.triton.__version__} is none of {versions}: every launch takes the "
-                     "ordinary path here")  # fmt: skip
+        parser.error(
+            f"Triton {kernel_launch.triton.__version__} is none of {versions}: every launch takes the "
+            "ordinary path here"
+        )
     results = launch_path_times(names, shape, args.rounds)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {'x'.join(map(str, shape))}, "
-          f"training step, {args.rounds} rounds")  # fmt: skip
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {'x'.join(map(str, shape))}, "
+        f"training step, {args.rounds} rounds"
+    )
     print(f"{'layer':8} {'ordinary':>10} {'direct':>10} {'ratio':>6} {'rounds':>10} {'direct launches':>16}")
     for name, result in results.items():
         share = "no kernel" if result["direct_share"] is None else f"{result['direct_share']:.0%}"
-        print(f"{name:8} {result['ordinary']['seconds'] * 1e6:7.0f} us {result['direct']['seconds'] * 1e6:7.0f} us "
-              f"{result['direct']['ratio']:6.2f} {range_text(result['direct']['ratio_range']):>10} "
-              f"{share:>16}")  # fmt: skip
+        print(
+            f"{name:8} {result['ordinary']['seconds'] * 1e6:7.0f} us {result['direct']['seconds'] * 1e6:7.0f} us "
+            f"{result['direct']['ratio']:6.2f} {range_text(result['direct']['ratio_range']):>10} "
+            f"{share:>16}"
+        )
     if args.json:
         create_folder_of(args.json)
         with open(args.json, "w") as f:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -140,11 +140,19 @@ def measure(device, shape, repeats, dtype=torch.float32, baseline=None, norms=NO
     rows = []
     for label, layer in layers.items():
         memory = peak_cuda_bytes(layer, x, grad_y) if device.type == "cuda" else kept_bytes(layer, x)
-        rows.append({
-            "device": device.type, "dtype": str(dtype).replace("torch.", ""), "shape": list(shape), "layer": label, "seconds": vs_gn[label]["seconds"],
-            "bytes": memory, "time_vs_gn": vs_gn[label]["ratio"], "time_vs_gn_range": vs_gn[label]["ratio_range"],
-            "time_vs_multi_op": vs_multi_op[label]["ratio"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "device": device.type,
+                "dtype": str(dtype).replace("torch.", ""),
+                "shape": list(shape),
+                "layer": label,
+                "seconds": vs_gn[label]["seconds"],
+                "bytes": memory,
+                "time_vs_gn": vs_gn[label]["ratio"],
+                "time_vs_gn_range": vs_gn[label]["ratio_range"],
+                "time_vs_multi_op": vs_multi_op[label]["ratio"],
+            }
+        )
     by_label = {row["layer"]: row for row in rows}
     for row in rows:
         for suffix, reference in (("gn", by_label[REFERENCE]), ("multi_op", by_label[MULTI_OP])):
@@ -202,23 +210,32 @@ def print_table(rows):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="full")
-    parser.add_argument("--norms", default=",".join(NORM_NAMES), help="comma-separated names of build_norm to time "
-                        f"beside torch's references (default: all, {','.join(NORM_NAMES)})")  # fmt: skip
+    parser.add_argument(
+        "--norms",
+        default=",".join(NORM_NAMES),
+        help="comma-separated names of build_norm to time "
+        f"beside torch's references (default: all, {','.join(NORM_NAMES)})",
+    )
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed forward + backward passes")
     parser.add_argument("--threads", type=positive_int, help="CPU threads (default: PyTorch's choice)")
     parser.add_argument(
-        "--device", choices=["cpu", "cuda"], action="append", help="time on this device only (repeatable; default: "
-        "the CPU, and CUDA where available)"
-    )  # fmt: skip
+        "--device",
+        choices=["cpu", "cuda"],
+        action="append",
+        help="time on this device only (repeatable; default: the CPU, and CUDA where available)",
+    )
     parser.add_argument("--amp", action="store_true", help="float16 inputs under autocast (CUDA only)")
     parser.add_argument("--profile", action="store_true", help="also profile one step of each layer (CUDA only)")
     parser.add_argument("--json", metavar="PATH", type=output_file, help="also write the rows as JSON")
-    parser.add_argument("--baseline", metavar="REF", help="also time each learned norm as commit REF of this "
-                        "checkout has it, side by side (rows 'NAME @COMMIT')")  # fmt: skip
+    parser.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="also time each learned norm as commit REF of this checkout has it, side by side (rows 'NAME @COMMIT')",
+    )
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None):
+def main(argv: Sequence[str] | None = None):
     parser = build_parser()
     args = parser.parse_args(argv)
     norms = [name for name in args.norms.split(",") if name]

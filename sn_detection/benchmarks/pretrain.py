@@ -35,7 +35,7 @@ import itertools
 import json
 import math
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from detectron2.utils.events import EventStorage
@@ -150,18 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--epoch-images", type=positive_int, default=IMAGENET_TRAIN_IMAGES, help="training images per epoch"
     )
-    parser.add_argument("--data", metavar="FOLDER", help="also time one loader worker on this ImageFolder, or 'embedded'")
+    parser.add_argument(
+        "--data", metavar="FOLDER", help="also time one loader worker on this ImageFolder, or 'embedded'"
+    )
     parser.add_argument(
         "--cuda-graph", action="store_true", help="also time each norm's step captured in a CUDA graph (NORM+graph)"
     )
     return parser
 
 
-def parse_args(argv: Optional[Sequence[str]] = None):
+def parse_args(argv: Sequence[str] | None = None):
     return build_parser().parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None):
+def main(argv: Sequence[str] | None = None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -194,18 +196,27 @@ def main(argv: Optional[Sequence[str]] = None):
 
     rows = [
         {
-            "norm": setting_cfg.MODEL.RESNETS.NORM, "setting": label, "cuda_graph": setting_cfg.PRETRAIN.CUDA_GRAPH,
-            "device": device.type, "gpu": gpu, "config": args.config_file,
-            "depth": cfg.MODEL.RESNETS.DEPTH, "image_size": cfg.PRETRAIN.IMAGE_SIZE, "amp": cfg.PRETRAIN.AMP,
-            "ims_per_batch": ims_per_batch, "devices": args.devices, "images_per_step": per_device,
-            "step_seconds": summary[label]["seconds"], "step_vs_bn": summary[label]["ratio"],
+            "norm": setting_cfg.MODEL.RESNETS.NORM,
+            "setting": label,
+            "cuda_graph": setting_cfg.PRETRAIN.CUDA_GRAPH,
+            "device": device.type,
+            "gpu": gpu,
+            "config": args.config_file,
+            "depth": cfg.MODEL.RESNETS.DEPTH,
+            "image_size": cfg.PRETRAIN.IMAGE_SIZE,
+            "amp": cfg.PRETRAIN.AMP,
+            "ims_per_batch": ims_per_batch,
+            "devices": args.devices,
+            "images_per_step": per_device,
+            "step_seconds": summary[label]["seconds"],
+            "step_vs_bn": summary[label]["ratio"],
             "step_vs_bn_range": summary[label]["ratio_range"],
             "images_per_second_per_device": per_device / summary[label]["seconds"],
             "epoch_images": args.epoch_images,
             "epoch_hours": epoch_hours(summary[label]["seconds"], args.epoch_images, ims_per_batch),
         }
         for label, setting_cfg in setting_cfgs.items()
-    ]  # fmt: skip
+    ]
     for row in rows:
         if args.cuda_graph and row["cuda_graph"]:
             row["step_vs_bn_graph"] = to_graphed_bn[row["setting"]]["ratio"]

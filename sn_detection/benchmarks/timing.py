@@ -10,7 +10,6 @@ import torch
 
 from ..engine.arguments import output_file, positive_int
 
-
 WARMUP_ROUNDS = 2
 
 

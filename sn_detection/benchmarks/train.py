@@ -47,7 +47,7 @@ import copy
 import functools
 import itertools
 import json
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from detectron2.config import LazyCall as L
@@ -64,7 +64,13 @@ from ..engine.launch import load_cfg
 from ..layers import NORM_NAMES, NormBase, NormFactory
 from .baseline import baseline_layers, with_baseline_norms
 from .timing import (
-    device_seconds, interleaved_seconds, norm_benchmark_parser, norm_setting_cfgs, range_text, ratio_to, timed_norms
+    device_seconds,
+    interleaved_seconds,
+    norm_benchmark_parser,
+    norm_setting_cfgs,
+    range_text,
+    ratio_to,
+    timed_norms,
 )
 
 NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
@@ -110,8 +116,10 @@ class LazyModels:
 
     def __init__(self, config_file: str, opts: list):
         fixed = [
-            "dataloader.train.num_workers=0", "optimizer.lr=0.0", "model.roi_heads.box_predictor.test_score_thresh=0.0",
-        ]  # fmt: skip
+            "dataloader.train.num_workers=0",
+            "optimizer.lr=0.0",
+            "model.roi_heads.box_predictor.test_score_thresh=0.0",
+        ]
         self.cfg = LazyConfig.apply_overrides(LazyConfig.load(config_file), fixed + opts)
         if str(self.cfg.train.device).startswith("cuda") and not torch.cuda.is_available():
             self.cfg.train.device = "cpu"  # as load_cfg does for a yaml config
@@ -175,7 +183,7 @@ class Setting:
         return device_seconds(lambda: self.model(inputs), self.device)
 
 
-def setting_labels(norms, graphed: bool, baseline: Optional[str] = None) -> dict:
+def setting_labels(norms, graphed: bool, baseline: str | None = None) -> dict:
     """Label -> (norm, graphed backbone, with the baseline's layers): the reference first; with graphs, every
     norm graphed and the reference also without graphs, beside its graphed twin; with a ``baseline`` label,
     each of our learned norms also as the baseline commit has it, after it."""
@@ -211,8 +219,10 @@ def print_table(rows, reference: str):
     ratio = f"x {reference}"
     width = max(6, len(ratio))
     label_width = max(10, *(len(row["setting"]) for row in rows))
-    header = (f"{'setting':{label_width}} {'train step s':>12} {ratio:>{width}} {'rounds':>11} {'inference s':>12} "
-              f"{ratio:>{width}} {'rounds':>11}")  # fmt: skip
+    header = (
+        f"{'setting':{label_width}} {'train step s':>12} {ratio:>{width}} {'rounds':>11} {'inference s':>12} "
+        f"{ratio:>{width}} {'rounds':>11}"
+    )
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -228,16 +238,21 @@ def build_parser() -> argparse.ArgumentParser:
     description = __doc__.split("\n\n")[0]
     parser = norm_benchmark_parser(description, "configs/demo_mask_rcnn_gn.yaml", "GN,SN,FrozenBN", REFERENCE, 8)
     parser.add_argument(
-        "--graphed-backbone", action="store_true",
+        "--graphed-backbone",
+        action="store_true",
         help=f"replay every norm's backbone and FPN as CUDA graphs (ratios to {REFERENCE}{GRAPHED}; {REFERENCE} "
         "eager is timed beside it); needs CUDA and inputs of one size",
-    )  # fmt: skip
-    parser.add_argument("--baseline", metavar="REF", help="also time each of our learned norms with its layers as "
-                        "commit REF of this checkout has them, side by side (settings 'NAME @COMMIT')")  # fmt: skip
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="also time each of our learned norms with its layers as "
+        "commit REF of this checkout has them, side by side (settings 'NAME @COMMIT')",
+    )
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None):
+def main(argv: Sequence[str] | None = None):
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -281,11 +296,20 @@ def main(argv: Optional[Sequence[str]] = None):
 
     rows = [
         {
-            "norm": norm, "setting": label, "graphed_backbone": graphed, "reference": reference,
-            "amp": source.amp, "device": device.type, "gpu": gpu, "config": args.config_file,
-            "train_seconds": train[label]["seconds"], "train_vs_gn": train[label]["ratio"],
-            "train_vs_gn_range": train[label]["ratio_range"], "inference_seconds": inference[label]["seconds"],
-            "inference_vs_gn": inference[label]["ratio"], "inference_vs_gn_range": inference[label]["ratio_range"],
+            "norm": norm,
+            "setting": label,
+            "graphed_backbone": graphed,
+            "reference": reference,
+            "amp": source.amp,
+            "device": device.type,
+            "gpu": gpu,
+            "config": args.config_file,
+            "train_seconds": train[label]["seconds"],
+            "train_vs_gn": train[label]["ratio"],
+            "train_vs_gn_range": train[label]["ratio_range"],
+            "inference_seconds": inference[label]["seconds"],
+            "inference_vs_gn": inference[label]["ratio"],
+            "inference_vs_gn_range": inference[label]["ratio_range"],
         }
         for label, (norm, graphed, _) in labels.items()
     ]

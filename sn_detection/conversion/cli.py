@@ -30,8 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--norm",
         type=str.upper,
         choices=TARGET_NORMS,
-        help="the norm of the target backbone (default: the source's own; torchvision BN can also "
-        "initialise SN or GN)",
+        help="the norm of the target backbone (default: the source's own; torchvision BN can also initialise SN or GN)",
     )
     parser.add_argument("--verbose", action="store_true", help="list every key in the report")
     return parser

@@ -2,7 +2,6 @@
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
 
 from .conventions import INPUT_CONVENTIONS
 
@@ -99,6 +98,6 @@ class ConversionError(ValueError):
     """The input is not a checkpoint of the requested source's layout (or cannot become the target);
     ``report`` holds what was found when the problem is per-key."""
 
-    def __init__(self, message: str, report: Optional[ConversionReport] = None):
+    def __init__(self, message: str, report: ConversionReport | None = None):
         super().__init__(message)
         self.report = report

@@ -34,7 +34,7 @@ in an FPN model and with ``backbone.res2...`` / ``roi_heads.res5...`` in a C4 mo
 
 import re
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 from torch import Tensor, nn
 

@@ -23,9 +23,11 @@ SOURCES: dict[str, ModuleType] = {
 _LAYOUT_SIGNS = (
     (
         re.compile(r"^Conv_Body\.(conv_body\.)?res1\.sn1\."),
-        ("the SN authors' detection code's copy of an SN ImageNet ResNet (Detectron.pytorch names, Conv_Body.*), "
-        "which this converter does not read: convert the ImageNet checkpoint of their Switchable-Normalization "
-        "model zoo"),
+        (
+            "the SN authors' detection code's copy of an SN ImageNet ResNet (Detectron.pytorch names, Conv_Body.*), "
+            "which this converter does not read: convert the ImageNet checkpoint of their Switchable-Normalization "
+            "model zoo"
+        ),
     ),
     (re.compile(r"(^|\.)sn1\.mean_weight$"), "an SN ImageNet checkpoint (--source sn)"),
     (re.compile(r"(^|\.)bn1\.running_mean$"), "a torchvision BN ResNet (--source torchvision)"),

@@ -25,8 +25,7 @@ The output norm (``norm``):
 """
 
 import re
-from collections.abc import Mapping
-from typing import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 

@@ -94,8 +94,10 @@ class CheckedCheckpointer(DetectionCheckpointer):
     def evaluate_from(self, path: str, source: str) -> dict:
         """Load ``path`` (named ``source`` in messages: a config key) to evaluate the model."""
         if not path:
-            raise ValueError(f"there are no weights to evaluate: {source} is empty; give it the trained checkpoint "
-                             "(OUTPUT_DIR/model_final.pth, say)")
+            raise ValueError(
+                f"there are no weights to evaluate: {source} is empty; give it the trained checkpoint "
+                "(OUTPUT_DIR/model_final.pth, say)"
+            )
         with self._whole("evaluate"):
             return self.load(path)
 
@@ -125,8 +127,10 @@ class CheckedCheckpointer(DetectionCheckpointer):
         except RuntimeError as error:  # torch's load_state_dict: our layers' identities differ (``layers.base``)
             if not self._whole_for:
                 raise ValueError(f"cannot load weights from {self._loading}: {error}") from error
-            raise ValueError(f"cannot {self._whole_for} {self._loading}: it is not a checkpoint of this model: "
-                             f"{error}\n{self._remedy()}") from error
+            raise ValueError(
+                f"cannot {self._whole_for} {self._loading}: it is not a checkpoint of this model: "
+                f"{error}\n{self._remedy()}"
+            ) from error
         # detectron2 takes pixel_mean / pixel_std from the config when the checkpoint lacks them
         from_config = set(dict(self.model.named_buffers(recurse=False)))
         model_keys = set(self.model.state_dict())
@@ -134,9 +138,11 @@ class CheckedCheckpointer(DetectionCheckpointer):
         unchecked = {key for key in model_keys if key.endswith(IDENTITY_KEY)} - saved
         shaped = {key for key, _, _ in incompatible.incorrect_shapes}  # also reported missing: not loaded
         if model_keys <= set(incompatible.missing_keys) | from_config | unchecked | shaped:
-            raise ValueError(f"no tensor of {self._loading} fits the model{_mismatches(incompatible)}. Is it a "
-                             "checkpoint of another architecture, or an ImageNet model to convert with "
-                             "tools/convert_pretrained.py?")
+            raise ValueError(
+                f"no tensor of {self._loading} fits the model{_mismatches(incompatible)}. Is it a "
+                "checkpoint of another architecture, or an ImageNet model to convert with "
+                "tools/convert_pretrained.py?"
+            )
         if self._whole_for:
             self._check_whole(incompatible, model_keys, from_config, unchecked, shaped)
         return incompatible
@@ -160,15 +166,20 @@ class CheckedCheckpointer(DetectionCheckpointer):
         unexpected = [key for key in incompatible.unexpected_keys if counts(key)]
         if not (missing or unexpected or shaped):
             return
-        raise ValueError(f"cannot {self._whole_for} {self._loading}: it is not a checkpoint of this model"
-                         f"{_mismatches(incompatible, missing, unexpected)}. {self._remedy()}")
+        raise ValueError(
+            f"cannot {self._whole_for} {self._loading}: it is not a checkpoint of this model"
+            f"{_mismatches(incompatible, missing, unexpected)}. {self._remedy()}"
+        )
 
     def _remedy(self) -> str:
         if self._whole_for == "resume from":
-            return ("Resume with the config that made it, or train afresh (without --resume, or into another "
-                    "output folder)")
-        return ("To evaluate a training run, give its checkpoint (MODEL.WEIGHTS OUTPUT_DIR/model_final.pth, or "
-                "--resume); a file trained with another config needs that config")
+            return (
+                "Resume with the config that made it, or train afresh (without --resume, or into another output folder)"
+            )
+        return (
+            "To evaluate a training run, give its checkpoint (MODEL.WEIGHTS OUTPUT_DIR/model_final.pth, or "
+            "--resume); a file trained with another config needs that config"
+        )
 
 
 def _check_weights(filename: str, weights) -> None:
@@ -192,8 +203,10 @@ def _mismatches(incompatible, missing=(), unexpected=None) -> str:
     if unexpected:
         parts.append(f"{len(unexpected)} keys the model does not have (e.g. {_examples(unexpected)})")
     if incompatible.incorrect_shapes:
-        shapes = [f"{key} ({tuple(theirs)} in the file, {tuple(ours)} in the model)"
-                  for key, theirs, ours in incompatible.incorrect_shapes]
+        shapes = [
+            f"{key} ({tuple(theirs)} in the file, {tuple(ours)} in the model)"
+            for key, theirs, ours in incompatible.incorrect_shapes
+        ]
         parts.append(f"{len(shapes)} of another shape (e.g. {_examples(shapes)})")
     return ": " + "; ".join(parts) if parts else ""
 

@@ -126,7 +126,9 @@ def validate_sn_config(cfg: CN) -> None:
         raise ValueError("the config has no MODEL.SN: call sn_detection.d2.add_sn_config(cfg) before merging a file")
     for key, _, norm in norm_keys(cfg.MODEL):
         if norm != "" and norm not in valid_norm_names():
-            raise ValueError(f"{key}: unknown norm {norm!r}; valid names are {list(valid_norm_names())}, or '' for none")
+            raise ValueError(
+                f"{key}: unknown norm {norm!r}; valid names are {list(valid_norm_names())}, or '' for none"
+            )
     for name in NORM_NAMES:
         rules = norm_class(name).option_rules
         for option, key in option_keys(name).items():

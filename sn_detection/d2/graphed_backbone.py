@@ -54,7 +54,7 @@ import collections
 import contextlib
 import logging
 import time
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from detectron2.modeling import Backbone
@@ -140,7 +140,7 @@ class GraphedBackbone(Backbone):
             capture = self._capture_when_warm(x, signature)
         return self._backbone(x) if capture is None else capture(x)
 
-    def _signature(self, x: Tensor) -> Optional["_Signature"]:
+    def _signature(self, x: Tensor) -> _Signature | None:
         """The call's signature (module docstring), or None for a call that must run eagerly."""
         grad = torch.is_grad_enabled()
         if self.training and not grad:
@@ -160,11 +160,18 @@ class GraphedBackbone(Backbone):
         trainable = tuple(p.requires_grad for p in self._params) if grad else ()
         needs_grad = grad and (x.requires_grad or any(trainable))
         return _Signature(
-            tuple(x.shape), x.dtype, x.device, self.training, needs_grad, x.requires_grad, trainable,
-            _autocast_dtype(), torch.is_inference_mode_enabled(),
+            tuple(x.shape),
+            x.dtype,
+            x.device,
+            self.training,
+            needs_grad,
+            x.requires_grad,
+            trainable,
+            _autocast_dtype(),
+            torch.is_inference_mode_enabled(),
         )
 
-    def _capture_when_warm(self, x: Tensor, signature: "_Signature") -> Optional["_Capture"]:
+    def _capture_when_warm(self, x: Tensor, signature: _Signature) -> _Capture | None:
         if len(self._captures) >= self.max_graphs:
             self._log_once(
                 "bound",
@@ -181,8 +188,10 @@ class GraphedBackbone(Backbone):
         capture = _Capture(self._backbone, x, params, needs_grad=signature.needs_grad, autocast=signature.autocast)
         self._captures[signature] = capture
         seconds = time.perf_counter() - start
-        logger.info(f"GraphedBackbone: captured {_describe(signature)} in {seconds:.1f} s "
-                    f"(graph {len(self._captures)} of at most {self.max_graphs})")
+        logger.info(
+            f"GraphedBackbone: captured {_describe(signature)} in {seconds:.1f} s "
+            f"(graph {len(self._captures)} of at most {self.max_graphs})"
+        )
         return capture
 
     def _log_once(self, reason: str, message: str) -> None:
@@ -309,7 +318,7 @@ class _Signature(NamedTuple):
     needs_grad: bool
     input_grad: bool
     trainable: tuple  # requires_grad of every parameter, when gradients are wanted
-    autocast: Optional[torch.dtype]
+    autocast: torch.dtype | None
     inference_mode: bool
 
 
@@ -319,7 +328,7 @@ def _has_hooks(module: nn.Module) -> bool:
     return any(getattr(module, name, None) for name in hooks)
 
 
-def _autocast_dtype() -> Optional[torch.dtype]:
+def _autocast_dtype() -> torch.dtype | None:
     """CUDA autocast's dtype, or None where it is off (``is_autocast_enabled()`` without a device is CUDA's
     on every torch; ``get_autocast_dtype`` is torch >= 2.4's name)."""
     if not torch.is_autocast_enabled():
@@ -329,7 +338,7 @@ def _autocast_dtype() -> Optional[torch.dtype]:
     return torch.get_autocast_gpu_dtype()
 
 
-def _autocast(dtype: Optional[torch.dtype]):
+def _autocast(dtype: torch.dtype | None):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast("cuda", dtype=dtype, cache_enabled=False)

@@ -10,7 +10,7 @@ say how many minibatches detection used; ``cfg.TEST.BATCH_AVERAGE.NUM_BATCHES`` 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 from detectron2.engine import HookBase
 from detectron2.engine.hooks import EvalHook, PeriodicCheckpointer
@@ -35,9 +35,7 @@ class BatchAverage(HookBase):
     training builds the loader from there on, so that it averages the batches an uninterrupted one would.
     """
 
-    def __init__(
-        self, model: nn.Module, data_loader_factory: Callable[[int], Iterable], num_batches: int, period: int
-    ):
+    def __init__(self, model: nn.Module, data_loader_factory: Callable[[int], Iterable], num_batches: int, period: int):
         self._model = model
         self._data_loader_factory = data_loader_factory
         self._num_batches = num_batches
@@ -69,7 +67,7 @@ class BatchAverage(HookBase):
 
 def batch_average_hook(
     model: nn.Module, data_loader_factory: Callable[[int], Iterable], num_batches: int, period: int
-) -> Optional[BatchAverage]:
+) -> BatchAverage | None:
     """``BatchAverage(model, data_loader_factory, num_batches, period)``, or None (with a log line) when
     ``model`` has no module with batch statistics."""
     if not batch_statistics_modules(model):
@@ -78,7 +76,7 @@ def batch_average_hook(
     return BatchAverage(model, data_loader_factory, num_batches, period)
 
 
-def build_batch_average_hook(cfg, model: nn.Module, data_loader_factory: Callable) -> Optional[BatchAverage]:
+def build_batch_average_hook(cfg, model: nn.Module, data_loader_factory: Callable) -> BatchAverage | None:
     """The ``BatchAverage`` hook for the yaml config ``cfg``, or None when cfg.TEST.BATCH_AVERAGE.ENABLED
     is off or ``model`` has no module with batch statistics.
 
@@ -104,7 +102,7 @@ def build_batch_average_hook(cfg, model: nn.Module, data_loader_factory: Callabl
     )
 
 
-def insert_before_evaluation(hooks: list, hook: Optional[HookBase]) -> list:
+def insert_before_evaluation(hooks: list, hook: HookBase | None) -> list:
     """``hooks`` with ``hook`` placed right before the first PeriodicCheckpointer or EvalHook (the place
     of PreciseBN in DefaultTrainer.build_hooks), or at the end if there is neither; unchanged for None."""
     if hook is None:

@@ -37,8 +37,6 @@ of one for the model, and still misses the builders not wrapped.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 from detectron2.config import CfgNode
 from detectron2.layers import get_norm
 from detectron2.modeling import META_ARCH_REGISTRY
@@ -48,13 +46,13 @@ from ..layers import NORM_NAMES, NormBuildError, NormFactory
 from .config import norm_factory_from_cfg, norm_keys, option_keys, validate_sn_config
 
 
-def resolved_norm(cfg: CfgNode, norm: str) -> Union[str, NormFactory]:
+def resolved_norm(cfg: CfgNode, norm: str) -> str | NormFactory:
     """What a NORM key set to ``norm`` gives detectron2's builders in the model of ``cfg``: our norm's
     factory with the options of ``cfg.MODEL.SN``, or detectron2's name as it is."""
     return norm_factory_from_cfg(cfg, norm) if norm in NORM_NAMES else norm
 
 
-def norm_layer(cfg: CfgNode, norm: str, channels: int) -> Optional[nn.Module]:
+def norm_layer(cfg: CfgNode, norm: str, channels: int) -> nn.Module | None:
     """The layer over ``channels`` channels that a NORM key set to ``norm`` builds in the model of ``cfg``."""
     return get_norm(resolved_norm(cfg, norm), channels)
 
@@ -84,4 +82,3 @@ def SNMetaArch(cfg: CfgNode) -> nn.Module:
         keys = option_keys(error.norm)
         settings = ", ".join(f"{keys[option]}={value!r}" for option, value in error.options.items())
         raise ValueError(f"{error} (set by {settings})") from error
-

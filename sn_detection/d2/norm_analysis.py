@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
 
 from detectron2.engine import HookBase
 from detectron2.utils import comm
@@ -60,7 +59,7 @@ class NormAnalysis(HookBase):
         self._period = period
         self._output_dir = output_dir
         self._observes_gates = bool(mode_layers(model))
-        self._recorder: Optional[GateRecorder] = None
+        self._recorder: GateRecorder | None = None
         self.history: list[tuple[int, list[ComponentSummary]]] = []
 
     def _logs(self) -> bool:
@@ -105,7 +104,7 @@ class NormAnalysis(HookBase):
             self._recorder = None
 
 
-def norm_analysis_hook(model: nn.Module, period: int, output_dir: str) -> Optional[NormAnalysis]:
+def norm_analysis_hook(model: nn.Module, period: int, output_dir: str) -> NormAnalysis | None:
     """``NormAnalysis(model, period, output_dir)``, or None when the period is 0 or ``model`` has no SN,
     DN, MN or MGN layer."""
     if period < 0:
@@ -118,7 +117,7 @@ def norm_analysis_hook(model: nn.Module, period: int, output_dir: str) -> Option
     return NormAnalysis(model, period, output_dir)
 
 
-def build_norm_analysis_hook(cfg, model: nn.Module) -> Optional[NormAnalysis]:
+def build_norm_analysis_hook(cfg, model: nn.Module) -> NormAnalysis | None:
     """The ``NormAnalysis`` hook for the yaml config ``cfg`` (period cfg.TEST.NORM_ANALYSIS.PERIOD, plots
     into cfg.OUTPUT_DIR), or None (see ``norm_analysis_hook``)."""
     period = cfg.TEST.NORM_ANALYSIS.PERIOD

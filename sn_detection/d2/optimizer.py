@@ -24,8 +24,6 @@ so the gate factor holds over the whole schedule.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from detectron2.config import CfgNode
 from detectron2.solver import get_default_optimizer_params
@@ -35,16 +33,15 @@ from torch import nn
 from ..layers import NORM_CLASSES, gate_parameter_names
 from ..layers.options import NON_NEGATIVE, check_options
 
-
 _GATE_RULES = {"gate_lr_factor": NON_NEGATIVE, "gate_weight_decay": NON_NEGATIVE}
 
 
 def get_optimizer_params(
     model: nn.Module,
     base_lr: float,
-    weight_decay_norm: Optional[float] = None,
+    weight_decay_norm: float | None = None,
     bias_lr_factor: float = 1.0,
-    weight_decay_bias: Optional[float] = None,
+    weight_decay_bias: float | None = None,
     gate_lr_factor: float = 1.0,
     gate_weight_decay: float = 0.0,
 ) -> list[dict]:

@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 MANIFEST = "manifest.json"
 
@@ -78,7 +78,7 @@ def _remove_abandoned(folder: str) -> None:
     """Remove the temporary siblings of `folder` whose writing process no longer runs."""
     parent, prefix = os.path.dirname(folder), f".{os.path.basename(folder)}."
     for name in os.listdir(parent):
-        pid = name[len(prefix):].split(".", 1)[0]
+        pid = name[len(prefix) :].split(".", 1)[0]
         if name.startswith(prefix) and pid.isdigit() and not _process_runs(int(pid)):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 

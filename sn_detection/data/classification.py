@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -361,8 +361,10 @@ def list_image_folder(split_root: str) -> tuple[list[str], list[tuple[str, int]]
             if file_name.lower().endswith(IMAGE_EXTENSIONS):
                 samples.append((os.path.join(class_dir, file_name), index))
     if not samples:
-        raise FileNotFoundError(f"{split_root} has class sub-folders but no images in them (files ending in "
-                                f"{', '.join(IMAGE_EXTENSIONS)}, in any case)")
+        raise FileNotFoundError(
+            f"{split_root} has class sub-folders but no images in them (files ending in "
+            f"{', '.join(IMAGE_EXTENSIONS)}, in any case)"
+        )
     return classes, samples
 
 

@@ -59,7 +59,20 @@ def unit_outline(name: str, rng: np.random.Generator) -> np.ndarray:
     if name == "cross":
         w = rng.uniform(0.25, 0.4)
         return np.array(
-            [[-w, -1], [w, -1], [w, -w], [1, -w], [1, w], [w, w], [w, 1], [-w, 1], [-w, w], [-1, w], [-1, -w], [-w, -w]],
+            [
+                [-w, -1],
+                [w, -1],
+                [w, -w],
+                [1, -w],
+                [1, w],
+                [w, w],
+                [w, 1],
+                [-w, 1],
+                [-w, w],
+                [-1, w],
+                [-1, -w],
+                [-w, -w],
+            ],
             dtype=float,
         )
     raise ValueError(f"unknown shape {name!r}; valid: {CATEGORIES}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -53,14 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", metavar="DIR", help=f"default: OUTPUT_DIR/{OUTPUT_FOLDER}")
     parser.add_argument("--confidence-threshold", type=float, default=0.25, help="lowest score drawn (0.25)")
     parser.add_argument(
-        "--class-agnostic-nms", type=float, metavar="IOU",
+        "--class-agnostic-nms",
+        type=float,
+        metavar="IOU",
         help="draw only the highest-scoring of detections overlapping at more than IOU, of any class (off)",
-    )  # fmt: skip
+    )
     add_overrides_argument(parser)
     return parser
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.num_images < 1:
@@ -114,7 +116,7 @@ def suppress_overlaps(instances: Instances, iou: float) -> Instances:
     return instances[nms(instances.pred_boxes.tensor, instances.scores, iou)]
 
 
-def draw(image_rgb: np.ndarray, instances: Instances, metadata, record: Optional[dict] = None) -> np.ndarray:
+def draw(image_rgb: np.ndarray, instances: Instances, metadata, record: dict | None = None) -> np.ndarray:
     """The predictions drawn on the image, with the ground truth of ``record`` beside them if given."""
     drawn = Visualizer(image_rgb, metadata, scale=DRAW_SCALE).draw_instance_predictions(instances).get_image()
     if record is None:
@@ -123,7 +125,7 @@ def draw(image_rgb: np.ndarray, instances: Instances, metadata, record: Optional
     return np.concatenate([drawn, truth], axis=1)
 
 
-def object_classes(instances: Instances, record: dict) -> list[tuple[int, Optional[int]]]:
+def object_classes(instances: Instances, record: dict) -> list[tuple[int, int | None]]:
     """(true class, class of the highest-scoring detection that finds it, or None) for each ground-truth
     object of ``record``, given detections in the image's coordinates."""
     truth = record.get("annotations", [])
@@ -139,7 +141,7 @@ def object_classes(instances: Instances, record: dict) -> list[tuple[int, Option
     return outcomes
 
 
-def confusion(outcomes: Sequence[tuple[int, Optional[int]]], num_classes: int) -> np.ndarray:
+def confusion(outcomes: Sequence[tuple[int, int | None]], num_classes: int) -> np.ndarray:
     """Counts of (true class, class of the top detection that finds the object; the last column: missed)."""
     counts = np.zeros((num_classes, num_classes + 1), dtype=int)
     for true, predicted in outcomes:
@@ -156,7 +158,7 @@ def objects_summary(counts: np.ndarray) -> str:
 
 
 def objects_report(
-    counts: np.ndarray, class_names: Sequence[str], threshold: float, agnostic_iou: Optional[float] = None
+    counts: np.ndarray, class_names: Sequence[str], threshold: float, agnostic_iou: float | None = None
 ) -> str:
     """Markdown: ``objects_summary`` and the confusion of classes."""
     across = "" if agnostic_iou is None else f", NMS across classes at IoU {agnostic_iou}"
@@ -175,7 +177,7 @@ def objects_report(
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> list[str]:
+def main(argv: Sequence[str] | None = None) -> list[str]:
     """Run tools/demo.py; returns the images written."""
     args = parse_args(argv)
     cfg = load_cfg(args.config_file, args.opts)

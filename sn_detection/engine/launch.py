@@ -44,9 +44,13 @@ def launch_processes(function, args):
             "CUDA_VISIBLE_DEVICES= in front of the command"
         )
     return launch(
-        function, args.num_gpus, num_machines=args.num_machines, machine_rank=args.machine_rank,
-        dist_url=args.dist_url, args=(args,),
-    )  # fmt: skip
+        function,
+        args.num_gpus,
+        num_machines=args.num_machines,
+        machine_rank=args.machine_rank,
+        dist_url=args.dist_url,
+        args=(args,),
+    )
 
 
 def setup_cfg(args):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from detectron2.config import LazyConfig, instantiate
 from detectron2.engine import default_argument_parser, default_setup, default_writers, hooks
@@ -69,12 +69,14 @@ def batch_average_batches(train) -> int:
         return 0
     num_batches = averaging.get("num_batches")
     if not POSITIVE_INT.holds(num_batches):
-        raise ValueError(f"train.batch_average.num_batches={num_batches!r} is invalid: it must be an int >= 1 "
-                         "when the batch average is enabled")
+        raise ValueError(
+            f"train.batch_average.num_batches={num_batches!r} is invalid: it must be an int >= 1 "
+            "when the batch average is enabled"
+        )
     return num_batches
 
 
-def graphed_backbone_options(train) -> Optional[dict]:
+def graphed_backbone_options(train) -> dict | None:
     """The options of ``GraphedBackbone`` that ``train.graphed_backbone`` sets (None: off), checked before
     anything is built: graphs need CUDA."""
     graphing = dict(train.get("graphed_backbone", {}))
@@ -95,7 +97,7 @@ def graphed_backbone_options(train) -> Optional[dict]:
     return graphing
 
 
-def built_model(cfg, graphing: Optional[dict]):
+def built_model(cfg, graphing: dict | None):
     """``cfg.model`` on ``train.device``, its backbone graphed with the options ``graphing`` (None: not)."""
     model = instantiate(cfg.model)
     model.to(cfg.train.device)
@@ -121,7 +123,9 @@ def training_hooks(cfg, model, checkpointer, num_batches: int) -> list:
     analysis = norm_analysis_hook(model, cfg.train.get("norm_analysis_period", 0), cfg.train.output_dir)
     base = insert_before_evaluation(base, analysis)
     if main_process:
-        base.append(hooks.PeriodicWriter(default_writers(cfg.train.output_dir, cfg.train.max_iter), cfg.train.log_period))
+        base.append(
+            hooks.PeriodicWriter(default_writers(cfg.train.output_dir, cfg.train.max_iter), cfg.train.log_period)
+        )
     return [hook for hook in base if hook is not None]
 
 
@@ -145,7 +149,7 @@ def train(cfg, resume: bool) -> None:
     trainer.train(start_iter, cfg.train.max_iter)
 
 
-def train_or_evaluate(args) -> Optional[dict]:
+def train_or_evaluate(args) -> dict | None:
     """One process of tools/lazyconfig_train_net.py; with --eval-only, returns the AP."""
     register_shapes_datasets()
     cfg = LazyConfig.apply_overrides(LazyConfig.load(args.config_file), args.opts)
@@ -163,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     return default_argument_parser()
 
 
-def main(argv: Optional[Sequence[str]] = None):
+def main(argv: Sequence[str] | None = None):
     """Parse detectron2's training arguments (overrides as key=value) and run in K processes."""
     args = build_parser().parse_args(argv)
     return launch_processes(train_or_evaluate, args)

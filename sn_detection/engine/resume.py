@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ class BatchStreamSampler(Sampler):
     without aspect-ratio grouping; its workers take whole batches) yields exactly these batches.
     """
 
-    def __init__(self, sampler: Sampler, batch_size: int, group_ids: Optional[Sequence[int]] = None, start_batch=0):
+    def __init__(self, sampler: Sampler, batch_size: int, group_ids: Sequence[int] | None = None, start_batch=0):
         self._sampler = sampler
         self._batch_size = batch_size
         self._group_ids = group_ids

@@ -8,7 +8,7 @@ tools (the norm sweep) start training runs from the installed package.
 from __future__ import annotations
 
 import argparse
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from detectron2.engine import default_argument_parser
 
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     return default_argument_parser()
 
 
-def main(argv: Optional[Sequence[str]] = None):
+def main(argv: Sequence[str] | None = None):
     """Parse detectron2's training arguments and run ``train_or_evaluate`` in K processes."""
     args = build_parser().parse_args(argv)
     return launch_processes(train_or_evaluate, args)

@@ -5,7 +5,7 @@ tools/pretrain_grid.py's cells are the backbones ``tools/compare_norms.py --fine
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from detectron2.config import CfgNode
 

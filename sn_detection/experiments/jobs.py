@@ -26,8 +26,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import Callable, Optional, Sequence
 
 import torch
 from detectron2.checkpoint import DetectionCheckpointer
@@ -74,7 +74,7 @@ def code_version(root: str = PACKAGE_ROOT) -> str:
     A rounding-level change of the code trains a run as different as another seed's, so two runs compare
     bit for bit only at the same code, threads and CPU."""
 
-    def git(*args: str) -> Optional[str]:
+    def git(*args: str) -> str | None:
         try:
             result = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.SubprocessError):  # no git, or a hung one: the version below
@@ -108,7 +108,9 @@ def checkpointed_iterations(folder: str) -> int:
     try:
         state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as error:  # any unreadable file: the estimate counts it as not started
-        logger.warning("cannot read the checkpoint %s (%s): the estimate counts its training from the start", path, error)
+        logger.warning(
+            "cannot read the checkpoint %s (%s): the estimate counts its training from the start", path, error
+        )
         return 0
     return int(state.get("iteration", -1)) + 1
 
@@ -143,9 +145,18 @@ def backbone_command(config_file: str, opts: Sequence[str], norm: str, folder: s
     """The subprocess that makes the backbone of ``config_file`` with ``opts`` (KEY VALUE) and backbone norm
     ``norm`` in ``folder``, refusing if that is not the one of ``expected_cache``."""
     return [
-        sys.executable, *JOB_MODULE, "--work-dir", os.path.join(folder, WORK_FOLDER), "--expect-cache",
-        expected_cache, "--norm", norm, "--config-file", config_file, *opts,
-    ]  # fmt: skip
+        sys.executable,
+        *JOB_MODULE,
+        "--work-dir",
+        os.path.join(folder, WORK_FOLDER),
+        "--expect-cache",
+        expected_cache,
+        "--norm",
+        norm,
+        "--config-file",
+        config_file,
+        *opts,
+    ]
 
 
 def close_interrupted_attempts(record: dict, log_path: str) -> dict:
@@ -158,7 +169,7 @@ def close_interrupted_attempts(record: dict, log_path: str) -> dict:
     return record
 
 
-def read_job_record(folder: str) -> Optional[dict]:
+def read_job_record(folder: str) -> dict | None:
     """The backbone job's record, its interrupted attempts closed; None if no job ran in ``folder``."""
     record = read_json(os.path.join(folder, JOB_RECORD))
     return close_interrupted_attempts(record, os.path.join(folder, JOB_LOG)) if record else None
@@ -171,9 +182,14 @@ def execute_job(command: list[str], folder: str, new_record: dict, jobs: int) ->
     path, log_path = os.path.join(folder, JOB_RECORD), os.path.join(folder, JOB_LOG)
     record = read_job_record(folder) or {**new_record, "attempts": []}
     env = child_environment(jobs)
-    attempt = {"started": round(time.time(), 1), "wall_s": None, "returncode": None,
-               "resumed": has_checkpoint(os.path.join(folder, WORK_FOLDER)), "threads": threads_of(env),
-               "code": code_version()}  # fmt: skip
+    attempt = {
+        "started": round(time.time(), 1),
+        "wall_s": None,
+        "returncode": None,
+        "resumed": has_checkpoint(os.path.join(folder, WORK_FOLDER)),
+        "threads": threads_of(env),
+        "code": code_version(),
+    }
     record["attempts"].append(attempt)
     write_json(path, record)
     start, returncode = time.perf_counter(), None
@@ -186,10 +202,16 @@ def execute_job(command: list[str], folder: str, new_record: dict, jobs: int) ->
     return returncode == 0
 
 
-def run_jobs(todo: Sequence, run: Callable[[object], bool], jobs: int, done: Callable[[object], bool],
-             name: Callable[[object], str], log_of: Callable[[object], str],
-             after_each: Optional[Callable[[], object]] = None,
-             outcome: Callable[[object], str] = lambda job: "done") -> list:  # fmt: skip
+def run_jobs(
+    todo: Sequence,
+    run: Callable[[object], bool],
+    jobs: int,
+    done: Callable[[object], bool],
+    name: Callable[[object], str],
+    log_of: Callable[[object], str],
+    after_each: Callable[[], object] | None = None,
+    outcome: Callable[[object], str] = lambda job: "done",
+) -> list:
     """``run(job)`` for each of ``todo``, ``jobs`` at a time in order; a job failed unless ``run`` returned
     True and ``done(job)``. Each end is logged (``outcome(job)`` of a job done, ``log_of(job)`` of one
     failed), then ``after_each()`` is called. Returns the failed jobs, in order."""
@@ -208,7 +230,7 @@ def run_jobs(todo: Sequence, run: Callable[[object], bool], jobs: int, done: Cal
     return [job for job in todo if job in failed]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """One backbone job, in its own process: the backbone of the config with the norm and the overrides, made in
     the work folder (resumed) and moved into the cache; refused if its cache folder is not the planned."""
     parser = argparse.ArgumentParser(prog="python -m sn_detection.experiments.jobs")
@@ -224,8 +246,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     setup_logger(name="sn_detection")
     cfg = load_cfg(args.config_file, [*args.opts, "MODEL.RESNETS.NORM", args.norm])
     if cached_backbone_folder(cfg) != args.expect_cache:
-        raise SystemExit(f"backbone job: the config's cache folder {cached_backbone_folder(cfg)} is not the planned "
-                         f"{args.expect_cache}")  # fmt: skip
+        raise SystemExit(
+            f"backbone job: the config's cache folder {cached_backbone_folder(cfg)} is not the planned "
+            f"{args.expect_cache}"
+        )
     print(cached_backbone(cfg, work_dir=args.work_dir))
     return 0
 

@@ -62,7 +62,8 @@ pickles of a layer start without plans.
 from __future__ import annotations
 
 import inspect
-from typing import ClassVar, Mapping
+from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -133,7 +134,9 @@ class NormBase(nn.Module):
         """The class defining this layer's computation (the one that declares its ``option_rules``) with
         the options that change it, e.g. ``GroupNorm2d(eps=1e-05, num_groups=32)``."""
         defining = next(cls for cls in type(self).__mro__ if "option_rules" in vars(cls))
-        options = [f"{name}={getattr(self, name)!r}" for name in sorted(defining.option_rules) if name not in _NOT_IDENTITY]
+        options = [
+            f"{name}={getattr(self, name)!r}" for name in sorted(defining.option_rules) if name not in _NOT_IDENTITY
+        ]
         return f"{defining.__name__}({', '.join(options)})"
 
     def get_extra_state(self) -> Tensor:
@@ -150,8 +153,10 @@ class NormBase(nn.Module):
         if key in state_dict:
             saved, own = _decode(state_dict[key]), self.norm_identity()
             if saved != own:
-                errors.append(f"{prefix[:-1] or 'the layer'} is {own}, but the state dict was saved by {saved}: "
-                              "load it into a model built with that norm and those options")
+                errors.append(
+                    f"{prefix[:-1] or 'the layer'} is {own}, but the state dict was saved by {saved}: "
+                    "load it into a model built with that norm and those options"
+                )
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
         if key in missing:  # weights without an identity load unchecked (module docstring)
             missing.remove(key)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn

@@ -66,16 +66,16 @@ Choices the poster leaves open, and how they are settled here:
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from . import map_passes
 from .dynamic_kernels import DynamicKernels
+from .moment_normalizer import MomentNormalizer, affine_from_moments
 from .options import BOOLEAN, MOMENTUM, POSITIVE, POSITIVE_INT, Rule
 from .running import RunningMoments, group_sums, moments_from_sums
-from .moment_normalizer import MomentNormalizer, affine_from_moments
 
 # Magnitude of the initial gate logits: the sign is the initial gate; an optimizer step has to move a
 # logit by this much before its gate flips.
@@ -151,8 +151,8 @@ class DynamicNorm2d(MomentNormalizer, RunningMoments):
         num_channels: int,
         *,
         eps: float = 1e-5,
-        momentum: Optional[float] = 0.1,
-        init_groups: Optional[int] = None,
+        momentum: float | None = 0.1,
+        init_groups: int | None = None,
         init_batch_pool: bool = False,
     ):
         super().__init__(
@@ -217,7 +217,7 @@ class DynamicNorm2d(MomentNormalizer, RunningMoments):
         return affine_from_moments(weight, bias, mean - mean_in, var, self.eps)
 
     @torch.jit.unused
-    def fused_plan(self, x: Tensor) -> Optional[DynamicKernels]:
+    def fused_plan(self, x: Tensor) -> DynamicKernels | None:
         if self._batch_average is not None or not map_passes.kernel_path(x):  # the batch average pools float64 sums
             return None
         return DynamicKernels(self, x) if DynamicKernels.applies(self, x) else None

@@ -138,11 +138,25 @@ if triton is not None:
 
     @triton.jit
     def _forward_kernel(
-        moments_ptr, weight_ptr, bias_ptr, gates_ptr, batch_gate_ptr,
-        running_mean_ptr, running_var_ptr, tracked_ptr, affine_ptr,
-        N, C, eps, momentum, count,
-        NUM_LEVELS: tl.constexpr, ODD: tl.constexpr, BATCH_STATS: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+        moments_ptr,
+        weight_ptr,
+        bias_ptr,
+        gates_ptr,
+        batch_gate_ptr,
+        running_mean_ptr,
+        running_var_ptr,
+        tracked_ptr,
+        affine_ptr,
+        N,
+        C,
+        eps,
+        momentum,
+        count,
+        NUM_LEVELS: tl.constexpr,
+        ODD: tl.constexpr,
+        BATCH_STATS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         # One program: BLOCK_N samples. The blocks (``map_passes``): moments (m, v), affine (scale, shift,
         # then the state planes). Planes of state_ptr, each (N, C): 0 Delta_b, 1 X_b; 2 + 2j, 3 + 2j the
@@ -173,8 +187,17 @@ if triton is not None:
                 delta = shifted_mean[None, :] - (m - k[None, :])
                 first = col_mask & (pid == 0)  # program 0 records the batch
                 store_running_moments(
-                    running_mean_ptr, running_var_ptr, cols, first, k + shifted_mean, target_var, count,
-                    average_factor, None, False, False,
+                    running_mean_ptr,
+                    running_var_ptr,
+                    cols,
+                    first,
+                    k + shifted_mean,
+                    target_var,
+                    count,
+                    average_factor,
+                    None,
+                    False,
+                    False,
                 )
             else:
                 target_mean = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -255,9 +278,17 @@ if triton is not None:
 
     @triton.jit
     def _levels_backward_kernel(
-        sums_ptr, affine_ptr, gates_ptr, pq_ptr,
-        N, C, eps,
-        NUM_LEVELS: tl.constexpr, ODD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+        sums_ptr,
+        affine_ptr,
+        gates_ptr,
+        pq_ptr,
+        N,
+        C,
+        eps,
+        NUM_LEVELS: tl.constexpr,
+        ODD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         # One program: BLOCK_N samples. The blocks: sums (D, S), affine (the forward's), pq (p, q, then the
         # planes of grad_ptr and partial_ptr). Planes of grad_ptr: 2j, 2j + 1 the gradients (G_M, G_V) of
@@ -326,9 +357,22 @@ if triton is not None:
 
     @triton.jit
     def _batch_backward_kernel(
-        sums_ptr, affine_ptr, batch_gate_ptr, pq_ptr, grad_weight_ptr, grad_bias_ptr, grad_gates_ptr,
-        grad_batch_gate_ptr, N, C, spatial, eps,
-        NUM_LEVELS: tl.constexpr, BATCH_STATS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+        sums_ptr,
+        affine_ptr,
+        batch_gate_ptr,
+        pq_ptr,
+        grad_weight_ptr,
+        grad_bias_ptr,
+        grad_gates_ptr,
+        grad_batch_gate_ptr,
+        N,
+        C,
+        spatial,
+        eps,
+        NUM_LEVELS: tl.constexpr,
+        BATCH_STATS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_C: tl.constexpr,
         BLOCK_L: tl.constexpr,
     ):
         # One program: BLOCK_C channels over the whole batch; the blocks as in _levels_backward_kernel.
@@ -391,7 +435,6 @@ if triton is not None:
             tl.store(grad_batch_gate_ptr + levels * 0, gate_sums, mask=levels == NUM_LEVELS)
 
 
-
 class DynamicKernels:
     """DN's fused (N, C) kernels for inputs of one signature (``moment_normalizer.FusedPlan``)."""
 
@@ -435,8 +478,12 @@ class DynamicKernels:
         affine = self.passes.block(moments, 2, self.state_size)
         gates = channel_gates if self.num_levels else batch_gate  # never read when there are none
         running = layer.running_buffers()
-        launch(_forward_kernel, self.sample_grid, (moments, weight, bias, gates, batch_gate, *running, affine, n, c,
-               layer.eps, layer.momentum, self.count), self.forward_constants)  # fmt: skip
+        launch(
+            _forward_kernel,
+            self.sample_grid,
+            (moments, weight, bias, gates, batch_gate, *running, affine, n, c, layer.eps, layer.momentum, self.count),
+            self.forward_constants,
+        )
         if self.training:
             written_in_place(*running)
         return affine, None
@@ -449,10 +496,15 @@ class DynamicKernels:
         pq = self.passes.block(moments, 2, self.backward_size)
         gates = channel_gates if levels else batch_gate  # never read when there are none
         grad_gates = grads[2] if levels else grads[3]  # never written when there are none
-        launch(_levels_backward_kernel, self.sample_grid, (sums, affine, gates, pq, n, c, layer.eps),
-               self.levels_constants)  # fmt: skip
-        launch(_batch_backward_kernel, self.channel_grid, (sums, affine, batch_gate, pq, grads[0], grads[1], grad_gates,
-               grads[3], n, c, self.spatial, layer.eps), self.batch_constants)  # fmt: skip
+        launch(
+            _levels_backward_kernel, self.sample_grid, (sums, affine, gates, pq, n, c, layer.eps), self.levels_constants
+        )
+        launch(
+            _batch_backward_kernel,
+            self.channel_grid,
+            (sums, affine, batch_gate, pq, grads[0], grads[1], grad_gates, grads[3], n, c, self.spatial, layer.eps),
+            self.batch_constants,
+        )
         if not levels:  # no channel gate (C = 1): nothing uses the empty parameter, as autograd sees it
             grads[2] = None
         return pq, grads

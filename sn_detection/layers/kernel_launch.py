@@ -59,7 +59,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable, ContextManager, Iterator, NamedTuple
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import NamedTuple
 
 from torch import Tensor
 
@@ -71,9 +73,22 @@ except ImportError:  # no Triton: the callers check available() and keep their P
     tl = None
 
 __all__ = [
-    "TRITON_VERSIONS", "LaunchCounts", "available", "cdiv", "counts", "interpreting", "launch", "launch_key",
-    "next_pow2", "observed_launches", "ordinary_launches", "skipped_launches", "tl", "triton", "version_supported",
-]  # fmt: skip
+    "TRITON_VERSIONS",
+    "LaunchCounts",
+    "available",
+    "cdiv",
+    "counts",
+    "interpreting",
+    "launch",
+    "launch_key",
+    "next_pow2",
+    "observed_launches",
+    "ordinary_launches",
+    "skipped_launches",
+    "tl",
+    "triton",
+    "version_supported",
+]
 
 # triton.jit reads TRITON_INTERPRET when a kernel is decorated, i.e. when the module defining it is imported;
 # those modules import this one first, so this is what their kernels saw
@@ -83,8 +98,8 @@ TRITON_VERSIONS = ("3.6.0", "3.8.0")  # whose JITFunction.run, CompiledKernel an
 _VERSION_READ = triton is not None and triton.__version__ in TRITON_VERSIONS
 if _VERSION_READ:  # other versions touch none of Triton's internals
     from triton import knobs
-    from triton.knobs import HookChain
     from triton.compiler.compiler import CompiledKernel
+    from triton.knobs import HookChain
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
@@ -208,9 +223,14 @@ def _record(kernel, compiled, args: tuple, meta: dict):
     used = kernel.used_global_vals.items()  # {(name, id of namespace): (value as compiled, namespace)}
     global_objects = tuple((name, namespace.get(name, _MISSING), namespace) for (name, _), (_, namespace) in used)
     return _Recorded(
-        compiled.run, compiled.function, compiled.packed_metadata, compiled.launch_metadata, rest, global_objects,
+        compiled.run,
+        compiled.function,
+        compiled.packed_metadata,
+        compiled.launch_metadata,
+        rest,
+        global_objects,
         kernel,
-    )  # fmt: skip
+    )
 
 
 def _ordinary(kernel, grid, args: tuple, meta: dict):
@@ -269,8 +289,18 @@ def _launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
         metadata = launch_metadata(grid, stream, *values)
     size = len(grid)
     counts.direct += 1
-    run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, function, packed_metadata, metadata,
-        enter_hook, exit_hook, *values)  # fmt: skip
+    run(
+        grid[0],
+        grid[1] if size > 1 else 1,
+        grid[2] if size > 2 else 1,
+        stream,
+        function,
+        packed_metadata,
+        metadata,
+        enter_hook,
+        exit_hook,
+        *values,
+    )
 
 
 def _observed(kernel, grid: tuple, args: tuple, meta: dict) -> None:
@@ -287,7 +317,7 @@ def _set_intercept() -> None:
 
 # observer(kernel, args, meta): a context manager around the launch of kernel with its positional and keyword
 # arguments
-LaunchObserver = Callable[[object, tuple, dict], ContextManager]
+LaunchObserver = Callable[[object, tuple, dict], AbstractContextManager]
 
 
 @contextlib.contextmanager

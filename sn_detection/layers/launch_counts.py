@@ -32,7 +32,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-from typing import Callable, Iterator, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -156,14 +157,26 @@ def layer_counts(device: torch.device, shape=(2, 256, 6, 6)) -> list[dict]:
     for label, layer in layers.items():
         layer = layer.to(device)
         train = count_training_step(layer, x, grad_y)
-        profiled = profiled_cuda_kernels(functools.partial(count_training_step, layer, x, grad_y)) if device.type == "cuda" else None
+        profiled = (
+            profiled_cuda_kernels(functools.partial(count_training_step, layer, x, grad_y))
+            if device.type == "cuda"
+            else None
+        )
         with torch.no_grad():
             inference = count_dispatch(lambda: layer.eval()(x))  # noqa: B023 (called here)
-        rows.append({
-            "layer": label, "device": device.type, "shape": list(shape), "kernel_path": map_passes.kernel_path(x),
-            "train_launches": train.launches, "train_allocations": train.allocations, "train_syncs": train.syncs,
-            "inference_launches": inference.launches, "inference_syncs": inference.syncs,
-            "train_operations": dict(train.operations), "train_kernels_profiled": profiled,
-        })  # fmt: skip
+        rows.append(
+            {
+                "layer": label,
+                "device": device.type,
+                "shape": list(shape),
+                "kernel_path": map_passes.kernel_path(x),
+                "train_launches": train.launches,
+                "train_allocations": train.allocations,
+                "train_syncs": train.syncs,
+                "inference_launches": inference.launches,
+                "inference_syncs": inference.syncs,
+                "train_operations": dict(train.operations),
+                "train_kernels_profiled": profiled,
+            }
+        )
     return rows
-

@@ -151,7 +151,7 @@ def warn_if_kernels_off(x: Tensor) -> None:
     if _TRITON or _warned_kernels_off or not x.is_cuda:
         return
     _warned_kernels_off = True
-    warnings.warn(_kernels_off_message(), KernelsOffWarning)
+    warnings.warn(_kernels_off_message(), KernelsOffWarning, stacklevel=1)
 
 
 def kernel_path(x: Tensor) -> bool:
@@ -188,9 +188,7 @@ def plain_moments(x: Tensor, ill_conditioned: float = _ILL_CONDITIONED) -> tuple
     return mean, var
 
 
-def plain_moments_and_residual(
-    x: Tensor, ill_conditioned: float = _ILL_CONDITIONED
-) -> tuple[Tensor, Tensor, Tensor]:
+def plain_moments_and_residual(x: Tensor, ill_conditioned: float = _ILL_CONDITIONED) -> tuple[Tensor, Tensor, Tensor]:
     """``plain_moments`` and the residual of each mean (module docstring): the float64 mean's part that
     rounding to the statistics dtype took off, for the maps recomputed in float64; 0 for the others, whose
     mean is within a few units of its last place of a spread at least a third of it."""
@@ -265,7 +263,9 @@ def _torch_scale_shift(xs: Tensor, scale: Tensor, shift: Tensor, center: Tensor)
         return plain_scale_shift(xs, scale, shift, center)
     ones = scale.new_ones(n * c)
     with torch.autocast(xs.device.type, enabled=False):
-        y = F.batch_norm(xs.view(1, n * c, -1), center.reshape(-1), ones, scale.reshape(-1), shift.reshape(-1), False, 0.0, _NO_EPS)
+        y = F.batch_norm(
+            xs.view(1, n * c, -1), center.reshape(-1), ones, scale.reshape(-1), shift.reshape(-1), False, 0.0, _NO_EPS
+        )
     # detached: not a view in autograd's eyes, so that a custom Function returning it allows an in-place
     # op after the layer (detectron2's ReLU)
     return y.view_as(xs).detach()
@@ -277,8 +277,16 @@ def _torch_centered_dot_and_sum(gy: Tensor, xs: Tensor, center: Tensor) -> tuple
         return (gy * (xs - center[:, :, None, None])).sum((2, 3)), gy.sum((2, 3))
     ones = xs.new_ones(n * c)
     _, dot, total = torch.ops.aten.native_batch_norm_backward(
-        gy.reshape(1, n * c, -1), xs.reshape(1, n * c, -1), ones, center.reshape(-1), ones, center.reshape(-1), ones,
-        False, _NO_EPS, [False, True, True],
+        gy.reshape(1, n * c, -1),
+        xs.reshape(1, n * c, -1),
+        ones,
+        center.reshape(-1),
+        ones,
+        center.reshape(-1),
+        ones,
+        False,
+        _NO_EPS,
+        [False, True, True],
     )
     return dot.view(n, c), total.view(n, c)
 
@@ -301,8 +309,16 @@ if triton is not None:
 
     @triton.jit
     def _moments_kernel(
-        x_ptr, moments_ptr, N, C, HW, c_blocks,
-        HAS_RESIDUAL: tl.constexpr, CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
+        x_ptr,
+        moments_ptr,
+        N,
+        C,
+        HW,
+        c_blocks,
+        HAS_RESIDUAL: tl.constexpr,
+        CHANNELS_LAST: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_HW: tl.constexpr,
     ):
         # One program: the maps of one sample n and BLOCK_C channels, looping over H*W. The moments block's
         # rows: mean, variance, residual (module docstring, "Blocks").
@@ -343,8 +359,17 @@ if triton is not None:
 
     @triton.jit
     def _centered_dot_and_sum_kernel(
-        gy_ptr, x_ptr, center_ptr, sums_ptr, N, C, HW, c_blocks,
-        CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
+        gy_ptr,
+        x_ptr,
+        center_ptr,
+        sums_ptr,
+        N,
+        C,
+        HW,
+        c_blocks,
+        CHANNELS_LAST: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_HW: tl.constexpr,
     ):
         # Same program layout as _moments_kernel; grad_y and x share their layout, hence their offsets. The
         # sums block's rows: dot, total.
@@ -387,8 +412,18 @@ if triton is not None:
 
     @triton.jit
     def _scale_shift_kernel(
-        x_ptr, y_ptr, affine_ptr, center_ptr, N, C, HW, c_blocks, hw_blocks,
-        CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
+        x_ptr,
+        y_ptr,
+        affine_ptr,
+        center_ptr,
+        N,
+        C,
+        HW,
+        c_blocks,
+        hw_blocks,
+        CHANNELS_LAST: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_HW: tl.constexpr,
     ):
         # the affine block's rows: scale, shift; the center: row 0 of center_ptr (a moments block's mean)
         n, c, hw = _tile_of_program(c_blocks, hw_blocks, BLOCK_C, BLOCK_HW)
@@ -407,8 +442,21 @@ if triton is not None:
 
     @triton.jit
     def _grad_input_kernel(
-        gy_ptr, x_ptr, gx_ptr, scale_ptr, pq_ptr, moments_ptr, N, C, HW, c_blocks, hw_blocks,
-        HAS_RESIDUAL: tl.constexpr, CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
+        gy_ptr,
+        x_ptr,
+        gx_ptr,
+        scale_ptr,
+        pq_ptr,
+        moments_ptr,
+        N,
+        C,
+        HW,
+        c_blocks,
+        hw_blocks,
+        HAS_RESIDUAL: tl.constexpr,
+        CHANNELS_LAST: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_HW: tl.constexpr,
     ):
         # the pq block's rows: p, q; the moments block's: the center (the mean), _, its residual
         n, c, hw = _tile_of_program(c_blocks, hw_blocks, BLOCK_C, BLOCK_HW)
@@ -494,8 +542,9 @@ class TritonPasses:
         self.vector_shape = (n, c)
         self.reduce_grid = (n * self.c_blocks,)  # the reductions: one program per (sample, channel block)
         self.map_grid = (n * self.c_blocks * self.hw_blocks,)  # the elementwise passes: one per tile
-        meta = dict(CHANNELS_LAST=self.channels_last, BLOCK_C=self.block_c, BLOCK_HW=self.block_hw,
-                    num_warps=_NUM_WARPS)  # fmt: skip
+        meta = dict(
+            CHANNELS_LAST=self.channels_last, BLOCK_C=self.block_c, BLOCK_HW=self.block_hw, num_warps=_NUM_WARPS
+        )
         self.meta = meta
         # each launch's constants by its flag, made once (``launch`` takes them as they are)
         self.residual_meta = {flag: dict(meta, HAS_RESIDUAL=flag) for flag in (False, True)}
@@ -529,16 +578,24 @@ class TritonPasses:
         """The moments block (2, N, C): mean, variance."""
         moments = self._reduced(x, 2)
         if not self.empty:
-            launch(_moments_kernel, self.reduce_grid, (x, moments, self.n, self.c, self.hw, self.c_blocks),
-                   self.residual_meta[False])  # fmt: skip
+            launch(
+                _moments_kernel,
+                self.reduce_grid,
+                (x, moments, self.n, self.c, self.hw, self.c_blocks),
+                self.residual_meta[False],
+            )
         return moments
 
     def moments_and_residual(self, x: Tensor) -> Tensor:
         """The moments block (3, N, C): mean, variance, residual."""
         moments = self._reduced(x, 3)
         if not self.empty:
-            launch(_moments_kernel, self.reduce_grid, (x, moments, self.n, self.c, self.hw, self.c_blocks),
-                   self.residual_meta[True])  # fmt: skip
+            launch(
+                _moments_kernel,
+                self.reduce_grid,
+                (x, moments, self.n, self.c, self.hw, self.c_blocks),
+                self.residual_meta[True],
+            )
         return moments
 
     def scale_shift(self, x: Tensor, affine: Tensor, moments: Tensor) -> Tensor:
@@ -546,9 +603,12 @@ class TritonPasses:
         y = _output_like(x)
         if self.empty:
             return y
-        launch(_scale_shift_kernel, self.map_grid,
-            (x, y, affine, moments, self.n, self.c, self.hw, self.c_blocks, self.hw_blocks), self.meta,
-        )  # fmt: skip
+        launch(
+            _scale_shift_kernel,
+            self.map_grid,
+            (x, y, affine, moments, self.n, self.c, self.hw, self.c_blocks, self.hw_blocks),
+            self.meta,
+        )
         return y
 
     def centered_dot_and_sum(self, grad_y: Tensor, x: Tensor, moments: Tensor) -> Tensor:
@@ -557,9 +617,12 @@ class TritonPasses:
         if self.empty:
             return sums
         grad_y = grad_y.contiguous(memory_format=self.memory_format)
-        launch(_centered_dot_and_sum_kernel, self.reduce_grid,
-            (grad_y, x, moments, sums, self.n, self.c, self.hw, self.c_blocks), self.meta,
-        )  # fmt: skip
+        launch(
+            _centered_dot_and_sum_kernel,
+            self.reduce_grid,
+            (grad_y, x, moments, sums, self.n, self.c, self.hw, self.c_blocks),
+            self.meta,
+        )
         return sums
 
     def grad_input(
@@ -571,8 +634,10 @@ class TritonPasses:
         if self.empty:
             return grad_x
         grad_y = grad_y.contiguous(memory_format=self.memory_format)
-        launch(_grad_input_kernel, self.map_grid,
+        launch(
+            _grad_input_kernel,
+            self.map_grid,
             (grad_y, x, grad_x, affine, pq, moments, self.n, self.c, self.hw, self.c_blocks, self.hw_blocks),
             self.residual_meta[residual],
-        )  # fmt: skip
+        )
         return grad_x

@@ -58,17 +58,15 @@ Choices the paper leaves open, and how they are settled here:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import map_passes
 from .mode_kernels import ModeGroupKernels, ModeKernels
+from .moment_normalizer import MomentNormalizer
 from .options import MOMENTUM, POSITIVE, POSITIVE_INT
 from .running import RunningMoments, mode_sums, moments_from_sums
-from .moment_normalizer import MomentNormalizer
 
 # Floor for MN's total gate weight of a mode, N_k (in samples).
 _MIN_MODE_WEIGHT = 1e-6
@@ -90,9 +88,7 @@ class ModeNorm2d(MomentNormalizer, RunningMoments):
     # Alg. 2 keeps E[x] and E[x^2] with momentum: the running variance is that mixture's (``running``)
     mixture_running_var = True
 
-    def __init__(
-        self, num_channels: int, *, num_modes: int = 2, eps: float = 1e-5, momentum: Optional[float] = 0.1
-    ):
+    def __init__(self, num_channels: int, *, num_modes: int = 2, eps: float = 1e-5, momentum: float | None = 0.1):
         super().__init__(num_channels, num_modes=num_modes, eps=eps, momentum=momentum)
         self.gate = nn.Linear(num_channels, num_modes)
         self._register_running_moments((num_modes, num_channels))

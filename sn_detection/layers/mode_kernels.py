@@ -106,7 +106,6 @@ takes the autograd path).
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -151,18 +150,29 @@ if triton is not None:
 
     @triton.jit
     def _mn_log_gates(
-        mean_ptr, gate_w_ptr, gate_b_ptr, rows, row_mask, ks, k_mask, C,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+        mean_ptr,
+        gate_w_ptr,
+        gate_b_ptr,
+        rows,
+        row_mask,
+        ks,
+        k_mask,
+        C,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         # log g (BLOCK_N, BLOCK_K) of the samples ``rows``: log-softmax of W m_n + b; -inf off rows and modes
         z = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             col_mask = cols < C
-            m = tl.load(mean_ptr + rows[:, None] * C + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
-                        other=0.0)
-            w = tl.load(gate_w_ptr + ks[None, :] * C + cols[:, None], mask=col_mask[:, None] & k_mask[None, :],
-                        other=0.0)
+            m = tl.load(
+                mean_ptr + rows[:, None] * C + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0
+            )
+            w = tl.load(
+                gate_w_ptr + ks[None, :] * C + cols[:, None], mask=col_mask[:, None] & k_mask[None, :], other=0.0
+            )
             z += tl.sum(m[:, :, None] * w.to(tl.float32)[None, :, :], 1)
         z += tl.load(gate_b_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         z = tl.where(k_mask[None, :], z, float("-inf"))
@@ -172,11 +182,26 @@ if triton is not None:
 
     @triton.jit
     def _mn_forward_kernel(
-        moments_ptr, weight_ptr, bias_ptr, gate_w_ptr, gate_b_ptr,
-        running_mean_ptr, running_var_ptr, tracked_ptr, affine_ptr,
-        N, C, K, eps, momentum, log_min_weight,
-        BATCH_STATS: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+        moments_ptr,
+        weight_ptr,
+        bias_ptr,
+        gate_w_ptr,
+        gate_b_ptr,
+        running_mean_ptr,
+        running_var_ptr,
+        tracked_ptr,
+        affine_ptr,
+        N,
+        C,
+        K,
+        eps,
+        momentum,
+        log_min_weight,
+        BATCH_STATS: tl.constexpr,
+        UPDATE_RUNNING: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         # The blocks (``map_passes``): moments (m, v), affine (scale, shift, stats). stats: log g (N, K), log N_k
         # (K), mu (K, C), var (K, C). Tiles [BLOCK_N, BLOCK_C, BLOCK_K]: the modes innermost; per-mode
@@ -211,8 +236,11 @@ if triton is not None:
                 log_g = _mn_log_gates(
                     mean_ptr, gate_w_ptr, gate_b_ptr, rows, row_mask, ks, k_mask, C, BLOCK_N, BLOCK_K, BLOCK_C
                 )
-                tl.store(stats_ptr + rows[:, None] * K + ks[None, :], log_g,
-                         mask=row_mask[:, None] & k_mask[None, :] & (pid == 0))
+                tl.store(
+                    stats_ptr + rows[:, None] * K + ks[None, :],
+                    log_g,
+                    mask=row_mask[:, None] & k_mask[None, :] & (pid == 0),
+                )
                 mask = row_mask[:, None] & col_mask[None, :]
                 offsets = rows[:, None] * C + cols[None, :]
                 m = tl.load(mean_ptr + offsets, mask=mask, other=0.0)[:, :, None]
@@ -237,8 +265,17 @@ if triton is not None:
                 moved = tl.max(tl.where(k_mask & (mode_weight > 0), 1, 0), 0)
                 average_factor = running_factor(tracked_ptr, momentum, moved.to(tl.int64))
                 store_running_moments(
-                    running_mean_ptr, running_var_ptr, ck, ck_mask, t, var_t, mode_weight[None, :], average_factor,
-                    step, False, True,
+                    running_mean_ptr,
+                    running_var_ptr,
+                    ck,
+                    ck_mask,
+                    t,
+                    var_t,
+                    mode_weight[None, :],
+                    average_factor,
+                    step,
+                    False,
+                    True,
                 )
         else:
             mu = tl.load(running_mean_ptr + ck, mask=ck_mask, other=0.0).to(tl.float32)
@@ -255,8 +292,11 @@ if triton is not None:
                 mean_ptr, gate_w_ptr, gate_b_ptr, rows, row_mask, ks, k_mask, C, BLOCK_N, BLOCK_K, BLOCK_C
             )
             if not BATCH_STATS:
-                tl.store(stats_ptr + rows[:, None] * K + ks[None, :], log_g,
-                         mask=row_mask[:, None] & k_mask[None, :] & (pid == 0))
+                tl.store(
+                    stats_ptr + rows[:, None] * K + ks[None, :],
+                    log_g,
+                    mask=row_mask[:, None] & k_mask[None, :] & (pid == 0),
+                )
             g = tl.exp(log_g)[:, None, :]
             mask = row_mask[:, None] & col_mask[None, :]
             offsets = rows[:, None] * C + cols[None, :]
@@ -278,8 +318,22 @@ if triton is not None:
 
     @triton.jit
     def _mn_mode_gradients(
-        mean_ptr, dot_ptr, total_ptr, stats_ptr, weight_ptr, cols, col_mask, ks, k_mask, N, C, K, eps,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+        mean_ptr,
+        dot_ptr,
+        total_ptr,
+        stats_ptr,
+        weight_ptr,
+        cols,
+        col_mask,
+        ks,
+        k_mask,
+        N,
+        C,
+        K,
+        eps,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         # for the channels ``cols``: mu, var, r, gamma, G_mu, G_var (BLOCK_C, BLOCK_K), grad gamma and
         # grad beta (BLOCK_C), from sums over all samples
@@ -290,8 +344,11 @@ if triton is not None:
         for n0 in range(0, N, BLOCK_N):
             rows = n0 + tl.arange(0, BLOCK_N)
             row_mask = rows < N
-            log_g = tl.load(stats_ptr + rows[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                            other=float("-inf"))
+            log_g = tl.load(
+                stats_ptr + rows[:, None] * K + ks[None, :],
+                mask=row_mask[:, None] & k_mask[None, :],
+                other=float("-inf"),
+            )
             g = tl.exp(log_g)[:, None, :]
             mask = row_mask[:, None] & col_mask[None, :]
             offsets = rows[:, None] * C + cols[None, :]
@@ -308,10 +365,26 @@ if triton is not None:
 
     @triton.jit
     def _mn_backward_kernel(
-        moments_ptr, affine_ptr, sums_ptr, weight_ptr, gate_w_ptr, pq_ptr,
-        grad_weight_ptr, grad_bias_ptr, grad_gate_w_ptr, grad_gate_b_ptr,
-        N, C, K, spatial, eps, log_min_weight,
-        BATCH_STATS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+        moments_ptr,
+        affine_ptr,
+        sums_ptr,
+        weight_ptr,
+        gate_w_ptr,
+        pq_ptr,
+        grad_weight_ptr,
+        grad_bias_ptr,
+        grad_gate_w_ptr,
+        grad_gate_b_ptr,
+        N,
+        C,
+        K,
+        spatial,
+        eps,
+        log_min_weight,
+        BATCH_STATS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         # The blocks: moments (m, v), affine (its stats after row 1), sums (D, S), pq (p, q). Tiles
         # [BLOCK_N, BLOCK_C, BLOCK_K]: the modes innermost
@@ -327,8 +400,22 @@ if triton is not None:
 
         # this program's channels: G_mu, G_var, grad gamma, grad beta
         mu, var, r, gamma, grad_mu, grad_var, grad_gamma, grad_beta = _mn_mode_gradients(
-            mean_ptr, dot_ptr, total_ptr, stats_ptr, weight_ptr, cols, col_mask, ks, k_mask, N, C, K, eps,
-            BLOCK_N, BLOCK_K, BLOCK_C,
+            mean_ptr,
+            dot_ptr,
+            total_ptr,
+            stats_ptr,
+            weight_ptr,
+            cols,
+            col_mask,
+            ks,
+            k_mask,
+            N,
+            C,
+            K,
+            eps,
+            BLOCK_N,
+            BLOCK_K,
+            BLOCK_C,
         )
         tl.store(grad_weight_ptr + cols, grad_gamma, mask=col_mask)
         tl.store(grad_bias_ptr + cols, grad_beta, mask=col_mask)
@@ -342,8 +429,11 @@ if triton is not None:
         for n0 in range(0, N, BLOCK_N):
             rows = n0 + tl.arange(0, BLOCK_N)
             row_mask = rows < N
-            log_g = tl.load(stats_ptr + rows[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                            other=float("-inf"))
+            log_g = tl.load(
+                stats_ptr + rows[:, None] * K + ks[None, :],
+                mask=row_mask[:, None] & k_mask[None, :],
+                other=float("-inf"),
+            )
             g = tl.exp(log_g)
             g3 = g[:, None, :]
             g_sum = tl.sum(g, 1)
@@ -360,8 +450,22 @@ if triton is not None:
                 tile_mask = tile < C
                 if BATCH_STATS:
                     t_mu, t_var, t_r, t_gamma, t_grad_mu, t_grad_var, _, _ = _mn_mode_gradients(
-                        mean_ptr, dot_ptr, total_ptr, stats_ptr, weight_ptr, tile, tile_mask, ks, k_mask, N, C, K,
-                        eps, BLOCK_N, BLOCK_K, BLOCK_C,
+                        mean_ptr,
+                        dot_ptr,
+                        total_ptr,
+                        stats_ptr,
+                        weight_ptr,
+                        tile,
+                        tile_mask,
+                        ks,
+                        k_mask,
+                        N,
+                        C,
+                        K,
+                        eps,
+                        BLOCK_N,
+                        BLOCK_K,
+                        BLOCK_C,
                     )
                 else:
                     t_mu, t_var, t_r, t_gamma = _mn_mode_statistics(
@@ -414,9 +518,19 @@ if triton is not None:
 
     @triton.jit
     def _mgn_forward_kernel(
-        moments_ptr, weight_ptr, bias_ptr, gate_w_ptr, gate_b_ptr, affine_ptr,
-        N, C, K, eps,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+        moments_ptr,
+        weight_ptr,
+        bias_ptr,
+        gate_w_ptr,
+        gate_b_ptr,
+        affine_ptr,
+        N,
+        C,
+        K,
+        eps,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         # The blocks (``map_passes``): moments (m, v), affine (scale, shift, stats). stats: mu (N, K), var (N, K),
         # L (N, K). Tiles [BLOCK_N, BLOCK_C, BLOCK_K]: the modes innermost
@@ -486,10 +600,25 @@ if triton is not None:
 
     @triton.jit
     def _mgn_backward_kernel(
-        moments_ptr, affine_ptr, sums_ptr, weight_ptr, gate_w_ptr, gate_b_ptr, pq_ptr,
-        grad_weight_ptr, grad_bias_ptr, grad_gate_w_ptr, grad_gate_b_ptr,
-        N, C, K, spatial, eps,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+        moments_ptr,
+        affine_ptr,
+        sums_ptr,
+        weight_ptr,
+        gate_w_ptr,
+        gate_b_ptr,
+        pq_ptr,
+        grad_weight_ptr,
+        grad_bias_ptr,
+        grad_gate_w_ptr,
+        grad_gate_b_ptr,
+        N,
+        C,
+        K,
+        spatial,
+        eps,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         # The blocks: moments (m, v), affine (its stats after row 1), sums (D, S), pq (p, q). Tiles
         # [BLOCK_N, BLOCK_C, BLOCK_K]: the modes innermost
@@ -575,7 +704,6 @@ if triton is not None:
         tl.store(grad_gate_b_ptr + ks, grad_gate_b, mask=k_mask & (pid == 0))
 
 
-
 def _blocks(n: int, c: int, k: int, max_block_n: int, max_block_c: int = _MAX_BLOCK_C) -> tuple[int, int, int]:
     """BLOCK_N, BLOCK_K, BLOCK_C of [BLOCK_N, BLOCK_C, BLOCK_K] tiles of at most ``_TILE`` elements (each at
     least 2: no single-lane axes)."""
@@ -604,7 +732,7 @@ class ModeKernels:
         self.forward_constants = dict(self.constants, UPDATE_RUNNING=self.batch_stats)
 
     @staticmethod
-    def create(layer, x: Tensor, min_mode_weight: float) -> Optional["ModeKernels"]:
+    def create(layer, x: Tensor, min_mode_weight: float) -> ModeKernels | None:
         """The kernels for ``layer`` on ``x``, or None where they do not apply (more than ``MAX_MODES`` modes)."""
         if triton is None or layer.num_modes > MAX_MODES:
             return None
@@ -614,8 +742,23 @@ class ModeKernels:
         n, c = self.passes.vector_shape
         affine = self.passes.block(moments, 2, self.stats_size)
         running = layer.running_buffers()
-        launch(_mn_forward_kernel, self.grid, (moments, *parameters, *running, affine, n, c, layer.num_modes,
-               layer.eps, layer.momentum, self.log_min_weight), self.forward_constants)  # fmt: skip
+        launch(
+            _mn_forward_kernel,
+            self.grid,
+            (
+                moments,
+                *parameters,
+                *running,
+                affine,
+                n,
+                c,
+                layer.num_modes,
+                layer.eps,
+                layer.momentum,
+                self.log_min_weight,
+            ),
+            self.forward_constants,
+        )
         if self.batch_stats:
             written_in_place(*running)
         return affine, None
@@ -625,8 +768,26 @@ class ModeKernels:
         n, c = self.passes.vector_shape
         pq = self.passes.block(moments, 2)
         grads = [torch.empty_like(t) for t in parameters]
-        launch(_mn_backward_kernel, self.grid, (moments, affine, sums, weight, gate_weight, pq, *grads, n, c,
-               layer.num_modes, self.spatial, layer.eps, self.log_min_weight), self.constants)  # fmt: skip
+        launch(
+            _mn_backward_kernel,
+            self.grid,
+            (
+                moments,
+                affine,
+                sums,
+                weight,
+                gate_weight,
+                pq,
+                *grads,
+                n,
+                c,
+                layer.num_modes,
+                self.spatial,
+                layer.eps,
+                self.log_min_weight,
+            ),
+            self.constants,
+        )
         return pq, grads
 
 
@@ -647,7 +808,7 @@ class ModeGroupKernels:
         self.backward_constants = dict(BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_C=block_c, num_warps=_NUM_WARPS)
 
     @staticmethod
-    def create(layer, x: Tensor) -> Optional["ModeGroupKernels"]:
+    def create(layer, x: Tensor) -> ModeGroupKernels | None:
         """The kernels for ``layer`` on ``x``, or None where they do not apply (more than ``MAX_MODES`` modes)."""
         if triton is None or layer.num_modes > MAX_MODES:
             return None
@@ -656,8 +817,12 @@ class ModeGroupKernels:
     def forward(self, layer, parameters, moments: Tensor):
         n, c = self.passes.vector_shape
         affine = self.passes.block(moments, 2, self.stats_size)
-        launch(_mgn_forward_kernel, self.forward_grid, (moments, *parameters, affine, n, c, layer.num_modes,
-               layer.eps), self.forward_constants)  # fmt: skip
+        launch(
+            _mgn_forward_kernel,
+            self.forward_grid,
+            (moments, *parameters, affine, n, c, layer.num_modes, layer.eps),
+            self.forward_constants,
+        )
         return affine, None
 
     def backward(self, layer, parameters, moments: Tensor, affine: Tensor, saved, sums: Tensor):
@@ -665,6 +830,24 @@ class ModeGroupKernels:
         n, c = self.passes.vector_shape
         pq = self.passes.block(moments, 2)
         grads = [torch.empty_like(t) for t in parameters]
-        launch(_mgn_backward_kernel, self.backward_grid, (moments, affine, sums, weight, gate_weight, gate_bias, pq,
-               *grads, n, c, layer.num_modes, self.spatial, layer.eps), self.backward_constants)  # fmt: skip
+        launch(
+            _mgn_backward_kernel,
+            self.backward_grid,
+            (
+                moments,
+                affine,
+                sums,
+                weight,
+                gate_weight,
+                gate_bias,
+                pq,
+                *grads,
+                n,
+                c,
+                layer.num_modes,
+                self.spatial,
+                layer.eps,
+            ),
+            self.backward_constants,
+        )
         return pq, grads

@@ -75,7 +75,8 @@ alone (``replayed_gradients``, ``running.replaying``).
 """
 
 import functools
-from typing import Callable, Optional, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -383,7 +384,9 @@ class _FusedNormalize(torch.autograd.Function):
         x, *parameters = ctx.saved_tensors
         needs = ctx.needs_input_grad
         if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
-            grad_x, grad_parameters = replayed_gradients(ctx.layer.replayed_forward, x, parameters, grad_y, needs[0], needs[3:])
+            grad_x, grad_parameters = replayed_gradients(
+                ctx.layer.replayed_forward, x, parameters, grad_y, needs[0], needs[3:]
+            )
             return (grad_x, None, None, *grad_parameters)
         moments, affine, saved = ctx.blocks
         plan = ctx.plan
@@ -396,7 +399,9 @@ class _FusedNormalize(torch.autograd.Function):
         return (grad_x, None, None, *grad_parameters)
 
 
-def replayed_gradients(replay, x: Tensor, parameters: Sequence[Tensor], grad_y: Tensor, needs_x: bool, needs_parameters):
+def replayed_gradients(
+    replay, x: Tensor, parameters: Sequence[Tensor], grad_y: Tensor, needs_x: bool, needs_parameters
+):
     """The gradients of ``replay(x)`` (a layer's plain differentiable forward, run again without recording
     its statistics twice: ``running.replaying``) with respect to x and the ``parameters`` flagged in
     ``needs_parameters``, as differentiable functions of them and of grad_y: what a backward under

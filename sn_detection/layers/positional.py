@@ -17,8 +17,6 @@ kernel forward and two backward (``positional_kernels``); elsewhere, and under T
 operations, which are also the kernels' oracle in the tests.
 """
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -72,7 +70,7 @@ class PositionalNorm2d(NormBase):
         return self._autograd_forward(x)
 
     @torch.jit.unused
-    def make_call_plan(self, x: Tensor) -> Optional[PositionalKernels]:
+    def make_call_plan(self, x: Tensor) -> PositionalKernels | None:
         """The Triton kernels (``positional_kernels``) where they take x and the parameters; None (the
         autograd path) elsewhere."""
         check_input(x, self.num_channels)

@@ -85,8 +85,20 @@ if triton is not None:
 
     @triton.jit
     def _forward_kernel(
-        x_ptr, y_ptr, stats_ptr, weight_ptr, bias_ptr, C, HW, P, hw_blocks, eps,
-        SAVE: tl.constexpr, CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
+        x_ptr,
+        y_ptr,
+        stats_ptr,
+        weight_ptr,
+        bias_ptr,
+        C,
+        HW,
+        P,
+        hw_blocks,
+        eps,
+        SAVE: tl.constexpr,
+        CHANNELS_LAST: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_P: tl.constexpr,
     ):
         pixel, p_mask, base, c_stride = _pixels(C, HW, P, hw_blocks, CHANNELS_LAST, BLOCK_P)
         # the shift k: each pixel's channel 0 (module docstring, "Accuracy")
@@ -125,8 +137,20 @@ if triton is not None:
 
     @triton.jit
     def _backward_kernel(
-        gy_ptr, x_ptr, gx_ptr, stats_ptr, weight_ptr, partial_ptr, C, HW, P, hw_blocks,
-        NEEDS_X: tl.constexpr, CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
+        gy_ptr,
+        x_ptr,
+        gx_ptr,
+        stats_ptr,
+        weight_ptr,
+        partial_ptr,
+        C,
+        HW,
+        P,
+        hw_blocks,
+        NEEDS_X: tl.constexpr,
+        CHANNELS_LAST: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_P: tl.constexpr,
     ):
         pixel, p_mask, base, c_stride = _pixels(C, HW, P, hw_blocks, CHANNELS_LAST, BLOCK_P)
         k = tl.load(stats_ptr + pixel, mask=p_mask, other=0.0)
@@ -168,7 +192,13 @@ if triton is not None:
 
     @triton.jit
     def _parameter_gradients_kernel(
-        partial_ptr, grad_weight_ptr, grad_bias_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+        partial_ptr,
+        grad_weight_ptr,
+        grad_bias_ptr,
+        R,
+        C,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         # grad w, grad b of BLOCK_C channels: the sums over the R rows of the partials, in a fixed order
         c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -195,9 +225,10 @@ def supports(x: Tensor, weight: Tensor, bias: Tensor) -> bool:
         return False
     n, c, h, w = x.shape
     return (
-        c * h * w < 2**31 and n * h * w < 2**31
+        c * h * w < 2**31
+        and n * h * w < 2**31
         and all(p.dtype in _PARAMETER_DTYPES and p.device == x.device and p.is_contiguous() for p in (weight, bias))
-    )  # fmt: skip
+    )
 
 
 class PositionalKernels:
@@ -238,14 +269,24 @@ class PositionalKernels:
         module docstring when ``save``, else None. One launch."""
         y = _output_like(x)
         stats = x.new_empty(self.stats_shape, dtype=torch.float32) if save else None
-        launch(_forward_kernel, (self.programs,), (x, y, stats if save else y, weight, bias, self.c, self.hw,
-               self.pixels, self.hw_blocks, float(eps)), self.forward_meta[save])  # fmt: skip
+        launch(
+            _forward_kernel,
+            (self.programs,),
+            (x, y, stats if save else y, weight, bias, self.c, self.hw, self.pixels, self.hw_blocks, float(eps)),
+            self.forward_meta[save],
+        )
         return y, stats
 
     def backward(
-        self, grad_y: Tensor, x: Tensor, stats: Tensor, weight: Tensor, bias: Tensor, needs_x: bool,
+        self,
+        grad_y: Tensor,
+        x: Tensor,
+        stats: Tensor,
+        weight: Tensor,
+        bias: Tensor,
+        needs_x: bool,
         needs_parameters: bool,
-    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # fmt: skip
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """(grad_x, grad_weight, grad_bias), None where not needed. Two launches (one when the parameters need
         no gradient)."""
         grad_y = grad_y.contiguous(memory_format=self.memory_format)
@@ -254,13 +295,32 @@ class PositionalKernels:
         # No FMA contraction: g - mean_c g must cancel exactly where a pixel's g are all equal (one channel,
         # whose grad_x is 0), and a contracted gy * w - mean_c g leaves the product's rounding error, which r =
         # eps^(-1/2) then magnifies
-        launch(_backward_kernel, (self.programs,), (grad_y, x, grad_x if needs_x else grad_y, stats, weight, partial,
-               self.c, self.hw, self.pixels, self.hw_blocks), self.backward_meta[needs_x])  # fmt: skip
+        launch(
+            _backward_kernel,
+            (self.programs,),
+            (
+                grad_y,
+                x,
+                grad_x if needs_x else grad_y,
+                stats,
+                weight,
+                partial,
+                self.c,
+                self.hw,
+                self.pixels,
+                self.hw_blocks,
+            ),
+            self.backward_meta[needs_x],
+        )
         if not needs_parameters:
             return grad_x, None, None
         grad_weight, grad_bias = torch.empty_like(weight), torch.empty_like(bias)
-        launch(_parameter_gradients_kernel, self.reduce_grid, (partial, grad_weight, grad_bias, self.programs, self.c),
-               self.reduce_meta)  # fmt: skip
+        launch(
+            _parameter_gradients_kernel,
+            self.reduce_grid,
+            (partial, grad_weight, grad_bias, self.programs, self.c),
+            self.reduce_meta,
+        )
         return grad_x, grad_weight, grad_bias
 
 

@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, NamedTuple, Optional
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -122,7 +123,7 @@ def update_running_moments(
     mean: Tensor,
     var: Tensor,
     count: Tensor,
-    momentum: Optional[float],
+    momentum: float | None,
     unbiased: bool,
     mixture: bool,
 ) -> None:
@@ -156,7 +157,7 @@ class MomentAccumulator:
     of the concatenation of everything added."""
 
     def __init__(self):
-        self._sums: Optional[MomentSums] = None
+        self._sums: MomentSums | None = None
 
     def add(self, sums: MomentSums) -> None:
         sums = MomentSums(*(s.detach().double() for s in sums))
@@ -240,8 +241,15 @@ class RunningMoments(NormBase):
             return
         mean, var = moments_from_sums(sums)
         update_running_moments(
-            self.running_mean, self.running_var, self.num_batches_tracked, mean, var, sums.count, self.momentum,
-            self.unbiased_running_var, self.mixture_running_var,
+            self.running_mean,
+            self.running_var,
+            self.num_batches_tracked,
+            mean,
+            var,
+            sums.count,
+            self.momentum,
+            self.unbiased_running_var,
+            self.mixture_running_var,
         )
 
     def start_batch_average(self) -> None:

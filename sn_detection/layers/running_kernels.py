@@ -40,8 +40,17 @@ if triton is not None:
 
     @triton.jit
     def store_running_moments(
-        running_mean_ptr, running_var_ptr, offsets, mask, mean, var, count, factor, step,
-        UNBIASED: tl.constexpr, MIXTURE: tl.constexpr,
+        running_mean_ptr,
+        running_var_ptr,
+        offsets,
+        mask,
+        mean,
+        var,
+        count,
+        factor,
+        step,
+        UNBIASED: tl.constexpr,
+        MIXTURE: tl.constexpr,
     ):
         # The running statistics at ``offsets`` (where ``mask``) moved towards a batch's ``mean`` and biased
         # ``var`` of ``count`` values per row (a scalar, or broadcast to the offsets), in mean's dtype, as

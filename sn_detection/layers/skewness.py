@@ -22,8 +22,6 @@ Choices the paper leaves open:
   BatchNorm's where it rounds to a few ulps: a property of phi_p, not of rounding in this code.
 """
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -71,7 +69,7 @@ class SkewnessReducedBatchNorm2d(RunningMoments):
     option_rules = {"p": POSITIVE, "eps": POSITIVE, "momentum": MOMENTUM}
     unbiased_running_var = True
 
-    def __init__(self, num_channels: int, *, p: float = 1.01, eps: float = 1e-5, momentum: Optional[float] = 0.1):
+    def __init__(self, num_channels: int, *, p: float = 1.01, eps: float = 1e-5, momentum: float | None = 0.1):
         super().__init__(num_channels, p=p, eps=eps, momentum=momentum)
         self._register_running_moments(num_channels)
         self.reset_parameters()
@@ -93,7 +91,7 @@ class SkewnessReducedBatchNorm2d(RunningMoments):
         return self._autograd_forward(x)
 
     @torch.jit.unused
-    def make_call_plan(self, x: Tensor) -> Optional[SkewnessKernels]:
+    def make_call_plan(self, x: Tensor) -> SkewnessKernels | None:
         """The kernels (``skewness_kernels``) for non-empty inputs on the kernel path; None (the autograd path)
         for the others and during a batch average (its sums pool in float64)."""
         check_input(x, self.num_channels)

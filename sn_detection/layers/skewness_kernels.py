@@ -67,9 +67,19 @@ if triton is not None:
 
     @triton.jit
     def _batch_statistics_kernel(
-        moments_ptr, running_mean_ptr, running_var_ptr, tracked_ptr, mu_ptr, r_ptr,
-        N, C, eps, momentum, count,
-        BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+        moments_ptr,
+        running_mean_ptr,
+        running_var_ptr,
+        tracked_ptr,
+        mu_ptr,
+        r_ptr,
+        N,
+        C,
+        eps,
+        momentum,
+        count,
+        BLOCK_N: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         # the moments block's rows: the IN means and variances (``map_passes``) of a batch of ``count`` values
         # per channel
@@ -100,8 +110,22 @@ if triton is not None:
 
     @triton.jit
     def _forward_kernel(
-        x_ptr, y_ptr, mu_ptr, r_ptr, weight_ptr, bias_ptr, C, HW, c_blocks, hw_blocks, eps, p,
-        FROM_VARIANCE: tl.constexpr, CHANNELS_LAST: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
+        x_ptr,
+        y_ptr,
+        mu_ptr,
+        r_ptr,
+        weight_ptr,
+        bias_ptr,
+        C,
+        HW,
+        c_blocks,
+        hw_blocks,
+        eps,
+        p,
+        FROM_VARIANCE: tl.constexpr,
+        CHANNELS_LAST: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_HW: tl.constexpr,
     ):
         n, c, hw = _tile_of_program(c_blocks, hw_blocks, BLOCK_C, BLOCK_HW)
         c_mask = c < C
@@ -116,9 +140,22 @@ if triton is not None:
 
     @triton.jit
     def _sums_kernel(
-        gy_ptr, x_ptr, mu_ptr, r_ptr, sums_ptr, N, C, HW, c_blocks, eps, p,
-        FROM_VARIANCE: tl.constexpr, SLOPE_AT_ZERO: tl.constexpr, CHANNELS_LAST: tl.constexpr,
-        BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
+        gy_ptr,
+        x_ptr,
+        mu_ptr,
+        r_ptr,
+        sums_ptr,
+        N,
+        C,
+        HW,
+        c_blocks,
+        eps,
+        p,
+        FROM_VARIANCE: tl.constexpr,
+        SLOPE_AT_ZERO: tl.constexpr,
+        CHANNELS_LAST: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_HW: tl.constexpr,
     ):
         # per (n, c): sum grad_y phi', sum grad_y phi' z, sum grad_y phi, sum grad_y; sums is (4, N, C)
         pid = tl.program_id(0)
@@ -150,9 +187,21 @@ if triton is not None:
 
     @triton.jit
     def _coefficients_kernel(
-        sums_ptr, mu_ptr, r_ptr, weight_ptr, grad_weight_ptr, grad_bias_ptr, coefficients_ptr,
-        N, C, count, eps,
-        FROM_VARIANCE: tl.constexpr, BATCH_STATS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+        sums_ptr,
+        mu_ptr,
+        r_ptr,
+        weight_ptr,
+        grad_weight_ptr,
+        grad_bias_ptr,
+        coefficients_ptr,
+        N,
+        C,
+        count,
+        eps,
+        FROM_VARIANCE: tl.constexpr,
+        BATCH_STATS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         # per channel: the parameters' gradients and a, b, q (coefficients is (3, C))
         pid = tl.program_id(0)
@@ -183,9 +232,23 @@ if triton is not None:
 
     @triton.jit
     def _grad_input_kernel(
-        gy_ptr, x_ptr, gx_ptr, mu_ptr, r_ptr, coefficients_ptr, C, HW, c_blocks, hw_blocks, eps, p,
-        FROM_VARIANCE: tl.constexpr, SLOPE_AT_ZERO: tl.constexpr, CHANNELS_LAST: tl.constexpr,
-        BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr,
+        gy_ptr,
+        x_ptr,
+        gx_ptr,
+        mu_ptr,
+        r_ptr,
+        coefficients_ptr,
+        C,
+        HW,
+        c_blocks,
+        hw_blocks,
+        eps,
+        p,
+        FROM_VARIANCE: tl.constexpr,
+        SLOPE_AT_ZERO: tl.constexpr,
+        CHANNELS_LAST: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_HW: tl.constexpr,
     ):
         n, c, hw = _tile_of_program(c_blocks, hw_blocks, BLOCK_C, BLOCK_HW)
         c_mask = c < C
@@ -242,16 +305,24 @@ class SkewnessKernels:
         moments = self.moments.moments(x)
         n, c = self.moments.vector_shape
         mu, r = moments.new_empty(c), moments.new_empty(c)
-        launch(_batch_statistics_kernel, self.channel_grid, (moments, *running, mu, r, n, c, layer.eps,
-               layer.momentum, float(self.count)), self.statistics_constants)  # fmt: skip
+        launch(
+            _batch_statistics_kernel,
+            self.channel_grid,
+            (moments, *running, mu, r, n, c, layer.eps, layer.momentum, float(self.count)),
+            self.statistics_constants,
+        )
         written_in_place(*running)
         return mu, r
 
     def forward(self, layer, x: Tensor, mu: Tensor, r: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
         n, c, hw, c_blocks, hw_blocks = self.shape
         y = _output_like(x)
-        launch(_forward_kernel, self.map_grid, (x, y, mu, r, weight, bias, c, hw, c_blocks, hw_blocks, layer.eps,
-               float(layer.p)), self.map_constants)  # fmt: skip
+        launch(
+            _forward_kernel,
+            self.map_grid,
+            (x, y, mu, r, weight, bias, c, hw, c_blocks, hw_blocks, layer.eps, float(layer.p)),
+            self.map_constants,
+        )
         return y
 
     def backward(self, layer, grad_y: Tensor, x: Tensor, mu: Tensor, r: Tensor, weight: Tensor, needs_x: bool):
@@ -259,17 +330,26 @@ class SkewnessKernels:
         grad_y = grad_y.contiguous(memory_format=self.memory_format)
         eps, p = layer.eps, float(layer.p)
         sums = x.new_empty((4, n, c), dtype=torch.float32)
-        launch(_sums_kernel, self.reduce_grid, (grad_y, x, mu, r, sums, n, c, hw, c_blocks, eps, p),
-               self.slope_constants)  # fmt: skip
+        launch(
+            _sums_kernel, self.reduce_grid, (grad_y, x, mu, r, sums, n, c, hw, c_blocks, eps, p), self.slope_constants
+        )
         grad_weight, grad_bias = torch.empty_like(weight), torch.empty_like(weight)
         coefficients = sums.new_empty((3, c))
-        launch(_coefficients_kernel, self.channel_grid, (sums, mu, r, weight, grad_weight, grad_bias, coefficients, n,
-               c, float(self.count), eps), self.coefficients_constants)  # fmt: skip
+        launch(
+            _coefficients_kernel,
+            self.channel_grid,
+            (sums, mu, r, weight, grad_weight, grad_bias, coefficients, n, c, float(self.count), eps),
+            self.coefficients_constants,
+        )
         grad_x = None
         if needs_x:
             grad_x = _output_like(x)
-            launch(_grad_input_kernel, self.map_grid, (grad_y, x, grad_x, mu, r, coefficients, c, hw, c_blocks,
-                   hw_blocks, eps, p), self.slope_constants)  # fmt: skip
+            launch(
+                _grad_input_kernel,
+                self.map_grid,
+                (grad_y, x, grad_x, mu, r, coefficients, c, hw, c_blocks, hw_blocks, eps, p),
+                self.slope_constants,
+            )
         return grad_x, grad_weight, grad_bias
 
 

@@ -38,18 +38,15 @@ The closed forms of the statistics and their gradients, as Triton kernels and as
 ``switchable_kernels``; SyncSN's all-reduces sit between its kernels there.
 """
 
-
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
 
 from . import map_passes
+from .moment_normalizer import FusedPlan, MomentNormalizer, affine_from_moments, layer_moments
 from .options import BOOLEAN, MOMENTUM, POSITIVE
 from .running import MomentSums, RunningMoments, group_sums, moments_from_sums
-from .moment_normalizer import FusedPlan, MomentNormalizer, affine_from_moments, layer_moments
 from .switchable_kernels import SwitchableClosedForms, SwitchableKernels
 
 
@@ -59,7 +56,7 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
     option_rules = {"eps": POSITIVE, "momentum": MOMENTUM, "use_bn": BOOLEAN}
     gate_parameters = ("mean_weight", "var_weight")
 
-    def __init__(self, num_channels: int, *, eps: float = 1e-5, momentum: Optional[float] = 0.1, use_bn: bool = True):
+    def __init__(self, num_channels: int, *, eps: float = 1e-5, momentum: float | None = 0.1, use_bn: bool = True):
         super().__init__(num_channels, eps=eps, momentum=momentum, use_bn=use_bn)
         num_branches = 3 if use_bn else 2
         self.mean_weight = nn.Parameter(torch.empty(num_branches))
@@ -91,7 +88,7 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
         return affine_from_moments(self.weight, self.bias, offset, var, self.eps)
 
     @torch.jit.unused
-    def fused_plan(self, x: Tensor) -> Optional[FusedPlan]:
+    def fused_plan(self, x: Tensor) -> FusedPlan | None:
         if self.use_bn and self._batch_average is not None:  # the batch average pools float64 sums
             return None
         return SwitchableKernels(self, x) if map_passes.kernel_path(x) else SwitchableClosedForms(self, x)
@@ -113,7 +110,7 @@ class SyncSwitchableNorm2d(SwitchableNorm2d):
     """SN whose BN branch pools statistics over all processes of the default process group."""
 
     @torch.jit.unused
-    def fused_plan(self, x: Tensor) -> Optional[FusedPlan]:
+    def fused_plan(self, x: Tensor) -> FusedPlan | None:
         if not (self.training and self.use_bn and _several_processes()):
             return super().fused_plan(x)
         if self._batch_average is not None or not map_passes.kernel_path(x):  # the autograd path's all-reduce

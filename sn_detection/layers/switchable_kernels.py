@@ -88,7 +88,11 @@ if triton is not None:
         logits = tl.load(logits_ptr + k, mask=k < NUM_BRANCHES, other=float("-inf")).to(tl.float32)
         e = tl.exp(logits - tl.max(logits, 0))
         w = e / tl.sum(e, 0)
-        return tl.sum(tl.where(k == 0, w, 0.0), 0), tl.sum(tl.where(k == 1, w, 0.0), 0), tl.sum(tl.where(k == 2, w, 0.0), 0)
+        return (
+            tl.sum(tl.where(k == 0, w, 0.0), 0),
+            tl.sum(tl.where(k == 1, w, 0.0), 0),
+            tl.sum(tl.where(k == 2, w, 0.0), 0),
+        )
 
     @triton.jit
     def _logit_gradients(grad_ptr, weights_logits_ptr, g0, g1, g2, pid, NUM_BRANCHES: tl.constexpr):
@@ -153,7 +157,14 @@ if triton is not None:
 
     @triton.jit
     def _pooled_statistics(
-        pooled_ptr, running_mean_ptr, running_var_ptr, tracked_ptr, cols, col_mask, C, momentum,
+        pooled_ptr,
+        running_mean_ptr,
+        running_var_ptr,
+        tracked_ptr,
+        cols,
+        col_mask,
+        C,
+        momentum,
         UPDATE_RUNNING: tl.constexpr,
     ):
         # mean and biased variance of the pooled sums (float64, as ``running.moments_from_sums``), and the
@@ -171,11 +182,26 @@ if triton is not None:
 
     @triton.jit
     def _forward_kernel(
-        moments_ptr, weight_ptr, bias_ptr, mean_logits_ptr, var_logits_ptr,
-        running_mean_ptr, running_var_ptr, tracked_ptr, pooled_ptr, affine_ptr,
-        N, C, eps, momentum, count,
-        NUM_BRANCHES: tl.constexpr, BN_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+        moments_ptr,
+        weight_ptr,
+        bias_ptr,
+        mean_logits_ptr,
+        var_logits_ptr,
+        running_mean_ptr,
+        running_var_ptr,
+        tracked_ptr,
+        pooled_ptr,
+        affine_ptr,
+        N,
+        C,
+        eps,
+        momentum,
+        count,
+        NUM_BRANCHES: tl.constexpr,
+        BN_SOURCE: tl.constexpr,
+        UPDATE_RUNNING: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         # BN_SOURCE: BATCH (this batch, of ``count`` values per channel), RUNNING (the running statistics) or
         # POOLED (the sums of every process, float64 [count, sum of x (C), sum of x^2 (C)] at pooled_ptr). The
@@ -199,7 +225,14 @@ if triton is not None:
         if NUM_BRANCHES == 3:
             if BN_SOURCE == POOLED:
                 k_bn, var_bn = _pooled_statistics(
-                    pooled_ptr, running_mean_ptr, running_var_ptr, tracked_ptr, cols, col_mask, C, momentum,
+                    pooled_ptr,
+                    running_mean_ptr,
+                    running_var_ptr,
+                    tracked_ptr,
+                    cols,
+                    col_mask,
+                    C,
+                    momentum,
                     UPDATE_RUNNING,
                 )
             elif BN_SOURCE == BATCH:
@@ -222,8 +255,17 @@ if triton is not None:
                 if UPDATE_RUNNING:
                     average_factor = running_factor(tracked_ptr, momentum, 1)
                     store_running_moments(
-                        running_mean_ptr, running_var_ptr, cols, col_mask, k_bn + d_bn, var_bn, count,
-                        average_factor, None, False, False,
+                        running_mean_ptr,
+                        running_var_ptr,
+                        cols,
+                        col_mask,
+                        k_bn + d_bn,
+                        var_bn,
+                        count,
+                        average_factor,
+                        None,
+                        False,
+                        False,
                     )
             else:
                 k_bn = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -252,8 +294,25 @@ if triton is not None:
 
     @triton.jit
     def _gradient_terms(
-        mean_ptr, var_ptr, dot_ptr, total_ptr, offsets, mask, k_ln, d_ln, var_ln, k_bn, d_bn, var_bn, gamma, eps,
-        a_ln, a_bn, b_in, b_ln, b_bn,
+        mean_ptr,
+        var_ptr,
+        dot_ptr,
+        total_ptr,
+        offsets,
+        mask,
+        k_ln,
+        d_ln,
+        var_ln,
+        k_bn,
+        d_bn,
+        var_bn,
+        gamma,
+        eps,
+        a_ln,
+        a_bn,
+        b_in,
+        b_ln,
+        b_bn,
     ):
         # per (n, c): v, S, scale, r, E, G, H of the module docstring, and mu_ln - m, mu_bn - m; the LN
         # statistics are the rows', the BN ones the columns'
@@ -289,10 +348,27 @@ if triton is not None:
 
     @triton.jit
     def _backward_kernel(
-        moments_ptr, affine_ptr, sums_ptr, weight_ptr, mean_logits_ptr, var_logits_ptr, pooled_ptr,
-        grad_pooled_ptr, pq_ptr, grad_weight_ptr, grad_bias_ptr, grad_mean_logits_ptr, grad_var_logits_ptr,
-        N, C, spatial, eps,
-        NUM_BRANCHES: tl.constexpr, BN_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+        moments_ptr,
+        affine_ptr,
+        sums_ptr,
+        weight_ptr,
+        mean_logits_ptr,
+        var_logits_ptr,
+        pooled_ptr,
+        grad_pooled_ptr,
+        pq_ptr,
+        grad_weight_ptr,
+        grad_bias_ptr,
+        grad_mean_logits_ptr,
+        grad_var_logits_ptr,
+        N,
+        C,
+        spatial,
+        eps,
+        NUM_BRANCHES: tl.constexpr,
+        BN_GRAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         # BN_GRAD: how the BN statistics pass their gradient on: not at all (RUNNING), within this batch
         # (BATCH), or through the sums of every process: POOLED_SUMS writes this process's gradient of them
@@ -322,8 +398,25 @@ if triton is not None:
             mask = row_mask[:, None] & col_mask[None, :]
             k_ln, d_ln, var_ln = _ln_statistics(stats_ptr, rows, row_mask, N)
             v, s, scale, r, e, g, h, to_ln, to_bn = _gradient_terms(
-                mean_ptr, var_ptr, dot_ptr, total_ptr, rows[:, None] * C + cols[None, :], mask,
-                k_ln, d_ln, var_ln, k_bn, d_bn, var_bn, gamma, eps, a_ln, a_bn, b_in, b_ln, b_bn,
+                mean_ptr,
+                var_ptr,
+                dot_ptr,
+                total_ptr,
+                rows[:, None] * C + cols[None, :],
+                mask,
+                k_ln,
+                d_ln,
+                var_ln,
+                k_bn,
+                d_bn,
+                var_bn,
+                gamma,
+                eps,
+                a_ln,
+                a_bn,
+                b_in,
+                b_ln,
+                b_bn,
             )
             grad_gamma += tl.sum(tl.where(mask, e * r, 0.0), 0)
             grad_beta += tl.sum(s, 0)
@@ -335,10 +428,41 @@ if triton is not None:
             tl.store(grad_weight_ptr + cols, grad_gamma, mask=col_mask)
             tl.store(grad_bias_ptr + cols, grad_beta, mask=col_mask)
             _input_and_logit_gradients(
-                mean_ptr, var_ptr, stats_ptr, dot_ptr, total_ptr, weight_ptr, mean_logits_ptr, var_logits_ptr,
-                grad_pooled_ptr, p_ptr, q_ptr, grad_mean_logits_ptr, grad_var_logits_ptr, N, C, spatial, eps,
-                cols, col_mask, gamma, k_bn, d_bn, var_bn, sum_g, sum_h, pid, a_ln, a_bn, b_in, b_ln, b_bn,
-                NUM_BRANCHES, BN_GRAD, BLOCK_N, BLOCK_C,
+                mean_ptr,
+                var_ptr,
+                stats_ptr,
+                dot_ptr,
+                total_ptr,
+                weight_ptr,
+                mean_logits_ptr,
+                var_logits_ptr,
+                grad_pooled_ptr,
+                p_ptr,
+                q_ptr,
+                grad_mean_logits_ptr,
+                grad_var_logits_ptr,
+                N,
+                C,
+                spatial,
+                eps,
+                cols,
+                col_mask,
+                gamma,
+                k_bn,
+                d_bn,
+                var_bn,
+                sum_g,
+                sum_h,
+                pid,
+                a_ln,
+                a_bn,
+                b_in,
+                b_ln,
+                b_bn,
+                NUM_BRANCHES,
+                BN_GRAD,
+                BLOCK_N,
+                BLOCK_C,
             )
 
     @triton.jit
@@ -355,10 +479,41 @@ if triton is not None:
 
     @triton.jit
     def _input_and_logit_gradients(
-        mean_ptr, var_ptr, stats_ptr, dot_ptr, total_ptr, weight_ptr, mean_logits_ptr, var_logits_ptr,
-        grad_pooled_ptr, p_ptr, q_ptr, grad_mean_logits_ptr, grad_var_logits_ptr, N, C, spatial, eps,
-        cols, col_mask, gamma, k_bn, d_bn, var_bn, sum_g, sum_h, pid, a_ln, a_bn, b_in, b_ln, b_bn,
-        NUM_BRANCHES: tl.constexpr, BN_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+        mean_ptr,
+        var_ptr,
+        stats_ptr,
+        dot_ptr,
+        total_ptr,
+        weight_ptr,
+        mean_logits_ptr,
+        var_logits_ptr,
+        grad_pooled_ptr,
+        p_ptr,
+        q_ptr,
+        grad_mean_logits_ptr,
+        grad_var_logits_ptr,
+        N,
+        C,
+        spatial,
+        eps,
+        cols,
+        col_mask,
+        gamma,
+        k_bn,
+        d_bn,
+        var_bn,
+        sum_g,
+        sum_h,
+        pid,
+        a_ln,
+        a_bn,
+        b_in,
+        b_ln,
+        b_bn,
+        NUM_BRANCHES: tl.constexpr,
+        BN_GRAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         # per sample: the sums over all channels, then this program's p and q; on the way, the sums over
         # all (n, c) that the logits need
@@ -380,8 +535,25 @@ if triton is not None:
                 all_k_bn, all_d_bn, all_var_bn = _bn_statistics(stats_ptr, all_cols, all_mask, N, C, NUM_BRANCHES)
                 all_gamma = tl.load(weight_ptr + all_cols, mask=all_mask, other=0.0).to(tl.float32)
                 v, s, scale, r, e, g, h, to_ln, to_bn = _gradient_terms(
-                    mean_ptr, var_ptr, dot_ptr, total_ptr, rows[:, None] * C + all_cols[None, :], mask,
-                    k_ln, d_ln, var_ln, all_k_bn, all_d_bn, all_var_bn, all_gamma, eps, a_ln, a_bn, b_in, b_ln, b_bn,
+                    mean_ptr,
+                    var_ptr,
+                    dot_ptr,
+                    total_ptr,
+                    rows[:, None] * C + all_cols[None, :],
+                    mask,
+                    k_ln,
+                    d_ln,
+                    var_ln,
+                    all_k_bn,
+                    all_d_bn,
+                    all_var_bn,
+                    all_gamma,
+                    eps,
+                    a_ln,
+                    a_bn,
+                    b_in,
+                    b_ln,
+                    b_bn,
                 )
                 g = tl.where(mask, g, 0.0)
                 h = tl.where(mask, h, 0.0)
@@ -395,8 +567,25 @@ if triton is not None:
             mask = row_mask[:, None] & col_mask[None, :]
             offsets = rows[:, None] * C + cols[None, :]
             v, s, scale, r, e, g, h, to_ln, to_bn = _gradient_terms(
-                mean_ptr, var_ptr, dot_ptr, total_ptr, offsets, mask,
-                k_ln, d_ln, var_ln, k_bn, d_bn, var_bn, gamma, eps, a_ln, a_bn, b_in, b_ln, b_bn,
+                mean_ptr,
+                var_ptr,
+                dot_ptr,
+                total_ptr,
+                offsets,
+                mask,
+                k_ln,
+                d_ln,
+                var_ln,
+                k_bn,
+                d_bn,
+                var_bn,
+                gamma,
+                eps,
+                a_ln,
+                a_bn,
+                b_in,
+                b_ln,
+                b_bn,
             )
             grad_m = -(a_ln + a_bn) * h - scale * s + (a_ln * row_h[:, None] - 2 * b_ln * row_g[:, None] * to_ln) / C
             grad_v = b_in * g + b_ln * row_g[:, None] / C
@@ -414,11 +603,24 @@ if triton is not None:
             tl.store(p_ptr + offsets, 2 * grad_v / spatial, mask=mask)
             tl.store(q_ptr + offsets, grad_m / spatial, mask=mask)
 
-        _logit_gradients(grad_mean_logits_ptr, mean_logits_ptr, 0.0, tl.sum(tl.sum(grad_a_ln, 1), 0),
-                         tl.sum(tl.sum(grad_a_bn, 1), 0), pid, NUM_BRANCHES)
-        _logit_gradients(grad_var_logits_ptr, var_logits_ptr, tl.sum(tl.sum(grad_b_in, 1), 0),
-                         tl.sum(tl.sum(grad_b_ln, 1), 0), tl.sum(tl.sum(grad_b_bn, 1), 0), pid, NUM_BRANCHES)
-
+        _logit_gradients(
+            grad_mean_logits_ptr,
+            mean_logits_ptr,
+            0.0,
+            tl.sum(tl.sum(grad_a_ln, 1), 0),
+            tl.sum(tl.sum(grad_a_bn, 1), 0),
+            pid,
+            NUM_BRANCHES,
+        )
+        _logit_gradients(
+            grad_var_logits_ptr,
+            var_logits_ptr,
+            tl.sum(tl.sum(grad_b_in, 1), 0),
+            tl.sum(tl.sum(grad_b_ln, 1), 0),
+            tl.sum(tl.sum(grad_b_bn, 1), 0),
+            pid,
+            NUM_BRANCHES,
+        )
 
 
 def _blocks(n: int, c: int) -> tuple[int, int]:
@@ -450,8 +652,12 @@ class SwitchableKernels:
         affine = self.passes.block(moments, 2, self.stats_size)
         running = layer.running_buffers() if layer.use_bn else (moments,) * 3
         pooled = self._pooled_sums(moments) if self.bn_source == _POOLED else moments  # read only when pooled
-        launch(_forward_kernel, self.grid, (moments, *parameters, *running, pooled, affine, n, c, layer.eps,
-               layer.momentum, self.count), self.forward_constants)  # fmt: skip
+        launch(
+            _forward_kernel,
+            self.grid,
+            (moments, *parameters, *running, pooled, affine, n, c, layer.eps, layer.momentum, self.count),
+            self.forward_constants,
+        )
         if self.bn_source != _RUNNING:
             written_in_place(*running)
         return affine, pooled
@@ -476,11 +682,19 @@ class SwitchableKernels:
         if self.bn_source == _POOLED:  # this process's gradient of the pooled sums, added up as the autograd path does
             grad_pooled = torch.empty_like(pooled)
             constants = dict(self.backward_constants, BN_GRAD=_POOLED_SUMS)
-            launch(_backward_kernel, self.grid, (*arguments, grad_pooled, pq, *grads, n, c, float(self.spatial),
-                   layer.eps), constants)  # fmt: skip
+            launch(
+                _backward_kernel,
+                self.grid,
+                (*arguments, grad_pooled, pq, *grads, n, c, float(self.spatial), layer.eps),
+                constants,
+            )
             dist.all_reduce(grad_pooled)
-        launch(_backward_kernel, self.grid, (*arguments, grad_pooled, pq, *grads, n, c, float(self.spatial),
-               layer.eps), self.backward_constants)  # fmt: skip
+        launch(
+            _backward_kernel,
+            self.grid,
+            (*arguments, grad_pooled, pq, *grads, n, c, float(self.spatial), layer.eps),
+            self.backward_constants,
+        )
         return pq, grads
 
 
@@ -545,7 +759,10 @@ class SwitchableClosedForms:
                 grad_m = grad_m + (a[2] * column_h - 2 * b[2] * column_g * to_bn) / n
                 grad_v = grad_v + b[2] * column_g / n
         grads = [
-            (e * r).sum(0), total.sum(0), _softmax_backward(a, torch.stack(grad_a)), _softmax_backward(b, torch.stack(grad_b))
+            (e * r).sum(0),
+            total.sum(0),
+            _softmax_backward(a, torch.stack(grad_a)),
+            _softmax_backward(b, torch.stack(grad_b)),
         ]
         grads = [grad.to(parameter.dtype) for grad, parameter in zip(grads, parameters)]
         return (2 * grad_v / self.spatial, grad_m / self.spatial), grads

@@ -125,8 +125,12 @@ def cached_backbone(cfg: CfgNode, work_dir: str | None = None) -> str:
     def make(target: str) -> None:
         same_run = same_run_stop(cfg)
         if same_run is not None:
-            logger.info("%s: the run of %s stopped after %s iterations, made from it without training",
-                        os.path.basename(folder), same_run[0], same_run[1] or "all its")  # fmt: skip
+            logger.info(
+                "%s: the run of %s stopped after %s iterations, made from it without training",
+                os.path.basename(folder),
+                same_run[0],
+                same_run[1] or "all its",
+            )
             from_same_run(cfg, *same_run, target)
             return
         work = work_dir or os.path.join(target, "training")

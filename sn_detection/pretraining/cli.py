@@ -11,7 +11,7 @@ PIXEL_STD, INPUT.FORMAT, STRIDE_IN_1X1) and the pretraining (PRETRAIN.*: data, s
 from __future__ import annotations
 
 import argparse
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from detectron2.engine import default_argument_parser, default_setup
 from detectron2.utils import comm
@@ -39,20 +39,23 @@ def build_parser() -> argparse.ArgumentParser:
     """detectron2's training arguments, and --cached."""
     parser = default_argument_parser()
     parser.add_argument(
-        "--cached", action="store_true",
+        "--cached",
+        action="store_true",
         help="make the config's backbone once, in one process, in the cache; print its path (stdout)",
-    )  # fmt: skip
+    )
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None):
+def main(argv: Sequence[str] | None = None):
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.eval_only:
         parser.error("--eval-only: pretraining has no evaluation-only run; its top-1 is in results.json")
     if args.cached and (args.resume or args.num_gpus > 1 or args.num_machines > 1):
-        parser.error("--cached makes the backbone from the start in one process; --resume, --num-gpus and "
-                     "--num-machines are for a pretraining run into PRETRAIN.OUTPUT_DIR")
+        parser.error(
+            "--cached makes the backbone from the start in one process; --resume, --num-gpus and "
+            "--num-machines are for a pretraining run into PRETRAIN.OUTPUT_DIR"
+        )
     if args.cached:
         setup_logger(name="detectron2")
         setup_logger(name="sn_detection")

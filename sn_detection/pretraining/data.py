@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch

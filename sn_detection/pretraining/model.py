@@ -100,9 +100,15 @@ class BackboneClassifier(nn.Module):
 def backbone_state(classifier: BackboneClassifier) -> dict[str, torch.Tensor]:
     """The backbone's tensors under their bare ResNet keys, without BatchNorm's counter (module docstring)."""
     counters = {
-        f"{name}.num_batches_tracked" for name, module in classifier.backbone.named_modules() if isinstance(module, _BatchNorm)
+        f"{name}.num_batches_tracked"
+        for name, module in classifier.backbone.named_modules()
+        if isinstance(module, _BatchNorm)
     }
-    return {key: value.detach().cpu().clone() for key, value in classifier.backbone.state_dict().items() if key not in counters}
+    return {
+        key: value.detach().cpu().clone()
+        for key, value in classifier.backbone.state_dict().items()
+        if key not in counters
+    }
 
 
 def input_convention(cfg: CfgNode) -> InputConvention:

@@ -71,7 +71,9 @@ WARMUP_FACTOR = 0.001
 def per_process_batch(cfg: CfgNode) -> int:
     world_size = comm.get_world_size()
     if cfg.PRETRAIN.IMS_PER_BATCH % world_size:
-        raise ValueError(f"PRETRAIN.IMS_PER_BATCH={cfg.PRETRAIN.IMS_PER_BATCH} is not divisible by the {world_size} processes")
+        raise ValueError(
+            f"PRETRAIN.IMS_PER_BATCH={cfg.PRETRAIN.IMS_PER_BATCH} is not divisible by the {world_size} processes"
+        )
     return cfg.PRETRAIN.IMS_PER_BATCH // world_size
 
 
@@ -85,9 +87,12 @@ def build_optimizer(cfg: CfgNode, model: torch.nn.Module) -> torch.optim.Optimiz
         gate_weight_decay=0.0,
     )
     return torch.optim.SGD(
-        params, lr=cfg.PRETRAIN.BASE_LR, momentum=cfg.PRETRAIN.MOMENTUM, nesterov=True,
+        params,
+        lr=cfg.PRETRAIN.BASE_LR,
+        momentum=cfg.PRETRAIN.MOMENTUM,
+        nesterov=True,
         weight_decay=cfg.PRETRAIN.WEIGHT_DECAY,
-    )  # fmt: skip
+    )
 
 
 def build_schedule(cfg: CfgNode, optimizer) -> LRMultiplier:
@@ -120,9 +125,13 @@ def train_loader(cfg: CfgNode, images: ClassificationImages, start_iter: int) ->
     sampler = TrainingSampler(len(images), shuffle=True, seed=seed)
     stream = SeededStream(sampler, seed, comm.get_rank(), comm.get_world_size(), start=start_iter * batch)
     return DataLoader(
-        images, batch_size=batch, sampler=stream, num_workers=cfg.PRETRAIN.NUM_WORKERS, collate_fn=collate,
+        images,
+        batch_size=batch,
+        sampler=stream,
+        num_workers=cfg.PRETRAIN.NUM_WORKERS,
+        collate_fn=collate,
         persistent_workers=cfg.PRETRAIN.NUM_WORKERS > 0,
-    )  # fmt: skip
+    )
 
 
 @torch.no_grad()
@@ -133,9 +142,11 @@ def top1(cfg: CfgNode, model: torch.nn.Module, images: ClassificationImages) -> 
     module.eval()
     indices = shard(len(images), comm.get_rank(), comm.get_world_size())
     loader = DataLoader(
-        torch.utils.data.Subset(images, indices), batch_size=per_process_batch(cfg),
-        num_workers=cfg.PRETRAIN.NUM_WORKERS, collate_fn=collate,
-    )  # fmt: skip
+        torch.utils.data.Subset(images, indices),
+        batch_size=per_process_batch(cfg),
+        num_workers=cfg.PRETRAIN.NUM_WORKERS,
+        collate_fn=collate,
+    )
     correct = 0
     for pixels, labels in loader:
         correct += int((module.logits(pixels.to(module.pixel_mean.device)).argmax(1).cpu() == labels).sum())
@@ -192,8 +203,12 @@ class Evaluation(HookBase):
             if self._keep_in is not None:
                 save_evaluated_model(self._model, self._keep_in, done)
             if self._target and self.latest >= self._target:
-                logger.info("Top-1 %.2f %% reached PRETRAIN.STOP_TOP1=%g after %d iterations: training stops here",
-                            self.latest, self._target, done)  # fmt: skip
+                logger.info(
+                    "Top-1 %.2f %% reached PRETRAIN.STOP_TOP1=%g after %d iterations: training stops here",
+                    self.latest,
+                    self._target,
+                    done,
+                )
                 self.reached_at = self.trainer.max_iter = done
 
     def after_train(self):
@@ -248,32 +263,52 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
     keep_in = output_dir if keeps_evaluated_models(cfg) and main_process else None
     evaluation = Evaluation(cfg, ddp, val_images, keep_in)
     batches = cfg.PRETRAIN.BATCH_AVERAGE_BATCHES
-    average = batch_average_hook(ddp, lambda start: train_loader(cfg, train_images, cfg.PRETRAIN.MAX_ITER + start),
-                                 batches, period=0) if batches else None  # fmt: skip
-    trainer.register_hooks([
-        hooks.IterationTimer(),
-        hooks.LRScheduler(optimizer, schedule),
-        evaluation,  # before the batch average and the checkpointer: it may make this iteration the last
-        average,
-        Checkpointer(checkpointer, cfg.PRETRAIN.CHECKPOINT_PERIOD) if main_process else None,
-        hooks.PeriodicWriter(
-            [CommonMetricPrinter(stop_iter), JSONWriter(os.path.join(output_dir, METRICS_FILE))],
-            period=LOG_PERIOD,
-        ) if main_process else None,
-    ])  # fmt: skip
+    average = (
+        batch_average_hook(
+            ddp, lambda start: train_loader(cfg, train_images, cfg.PRETRAIN.MAX_ITER + start), batches, period=0
+        )
+        if batches
+        else None
+    )
+    trainer.register_hooks(
+        [
+            hooks.IterationTimer(),
+            hooks.LRScheduler(optimizer, schedule),
+            evaluation,  # before the batch average and the checkpointer: it may make this iteration the last
+            average,
+            Checkpointer(checkpointer, cfg.PRETRAIN.CHECKPOINT_PERIOD) if main_process else None,
+            hooks.PeriodicWriter(
+                [CommonMetricPrinter(stop_iter), JSONWriter(os.path.join(output_dir, METRICS_FILE))],
+                period=LOG_PERIOD,
+            )
+            if main_process
+            else None,
+        ]
+    )
     start_iter = 0
     if resume and checkpointer.has_checkpoint():
         checkpointer.resume_or_load("", resume=True)
         start_iter = trainer.iter + 1
-        check_resumed_iteration(start_iter, stop_iter, "PRETRAIN.STOP_ITER" if cfg.PRETRAIN.STOP_ITER else
-                                "PRETRAIN.MAX_ITER", output_dir)  # fmt: skip
+        check_resumed_iteration(
+            start_iter, stop_iter, "PRETRAIN.STOP_ITER" if cfg.PRETRAIN.STOP_ITER else "PRETRAIN.MAX_ITER", output_dir
+        )
     trainer.data_loader = train_loader(cfg, train_images, start_iter)
     logger.info(
         "Pretraining %s-%d with %s norms on %d images of %d classes (%s), %d px, %d per batch, iterations %d-%d, "
-        "of a %d-iteration schedule, on %s", "ResNet", cfg.MODEL.RESNETS.DEPTH, pretrained_norm(cfg),
-        len(train_images), len(train_images.classes), folder, cfg.PRETRAIN.IMAGE_SIZE, cfg.PRETRAIN.IMS_PER_BATCH,
-        start_iter, stop_iter, cfg.PRETRAIN.MAX_ITER, cfg.MODEL.DEVICE,
-    )  # fmt: skip
+        "of a %d-iteration schedule, on %s",
+        "ResNet",
+        cfg.MODEL.RESNETS.DEPTH,
+        pretrained_norm(cfg),
+        len(train_images),
+        len(train_images.classes),
+        folder,
+        cfg.PRETRAIN.IMAGE_SIZE,
+        cfg.PRETRAIN.IMS_PER_BATCH,
+        start_iter,
+        stop_iter,
+        cfg.PRETRAIN.MAX_ITER,
+        cfg.MODEL.DEVICE,
+    )
     start = time.perf_counter()
     try:
         trainer.train(start_iter, stop_iter)
@@ -285,8 +320,9 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
     return results
 
 
-def _results(cfg: CfgNode, data: str, images: ClassificationImages, val_top1: float, reached_at: int | None,
-             seconds: float) -> dict:  # fmt: skip
+def _results(
+    cfg: CfgNode, data: str, images: ClassificationImages, val_top1: float, reached_at: int | None, seconds: float
+) -> dict:
     """results.json of a run of ``cfg`` on ``images`` (in the folder ``data``) that reached PRETRAIN.STOP_TOP1
     after ``reached_at`` iterations (None: trained its whole schedule)."""
     results = {
@@ -359,8 +395,13 @@ def _stop_at_evaluation(cfg: CfgNode, evaluated_model: str, output_dir: str) -> 
     model.load_state_dict(saved["model"])
     model.train()  # as the trainer leaves it
     batches = cfg.PRETRAIN.BATCH_AVERAGE_BATCHES
-    average = batch_average_hook(model, lambda start: train_loader(cfg, train_images, cfg.PRETRAIN.MAX_ITER + start),
-                                 batches, period=0) if batches else None  # fmt: skip
+    average = (
+        batch_average_hook(
+            model, lambda start: train_loader(cfg, train_images, cfg.PRETRAIN.MAX_ITER + start), batches, period=0
+        )
+        if batches
+        else None
+    )
     if average is not None:
         average.update()
     val_top1 = top1(cfg, model, val_images)
@@ -380,5 +421,10 @@ def report(folder: str) -> None:
     logger.info(
         "Pretrained ResNet-%d (%s): top-1 %.2f %% on the val split; backbone in %s. A detection config loads it "
         "with MODEL.WEIGHTS %s and this input convention: %s",
-        results["depth"], results["norm"], results["val_top1"], path, path, " ".join(map(str, overrides)),
-    )  # fmt: skip
+        results["depth"],
+        results["norm"],
+        results["val_top1"],
+        path,
+        path,
+        " ".join(map(str, overrides)),
+    )

@@ -42,12 +42,17 @@ def by_key(summaries):
 def test_per_component_averages():
     summaries = summarize(RECORDS, part, components=["body", "head"])
     assert [(s.kind, s.component, s.layers) for s in summaries] == [
-        ("SN", "body", 3), ("SN", "head", 1), ("DN", "body", 3), ("MN", "tail", 1), ("MGN", "head", 2),
-    ]  # fmt: skip
+        ("SN", "body", 3),
+        ("SN", "head", 1),
+        ("DN", "body", 3),
+        ("MN", "tail", 1),
+        ("MGN", "head", 2),
+    ]
     found = by_key(summaries)
     body = found["SN", "body"].metrics
-    assert body == pytest.approx({"mean_IN": 0.4, "mean_LN": 0.8 / 3, "mean_BN": 1 / 3,
-                                  "var_IN": 0.3, "var_LN": 1.1 / 3, "var_BN": 1 / 3})  # fmt: skip
+    assert body == pytest.approx(
+        {"mean_IN": 0.4, "mean_LN": 0.8 / 3, "mean_BN": 1 / 3, "var_IN": 0.3, "var_LN": 1.1 / 3, "var_BN": 1 / 3}
+    )
     assert found["DN", "body"].metrics == pytest.approx(
         {"IN": 1 / 3, "GN": 2 / 3, "LN": 0.0, "pools_batch": 1 / 3, "strided": 1 / 3, "median_groups": 8.0}
     )
@@ -78,8 +83,14 @@ def assert_valid_png(path, min_side=200):
 def test_report_files(tmp_path):
     paths = write_report(RECORDS, part, str(tmp_path), components=["body", "head"], title="Test", notes=["A note."])
     names = [os.path.basename(p) for p in paths]
-    assert names == ["norm_analysis.md", "norm_analysis.csv", "norm_layers.csv", "sn_importance.png",
-                     "dn_grouping.png", "mode_gates.png"]  # fmt: skip
+    assert names == [
+        "norm_analysis.md",
+        "norm_analysis.csv",
+        "norm_layers.csv",
+        "sn_importance.png",
+        "dn_grouping.png",
+        "mode_gates.png",
+    ]
     for path in paths[3:]:
         assert_valid_png(path)
 

@@ -48,5 +48,7 @@ def test_benchmark_norms_refuses_cuda_where_there_is_none():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no CUDA device")
 def test_gpu_checks_refuse_where_there_is_no_gpu(tmp_path):
     command = [os.path.join(REPO, "tools", "gpu_checks.sh"), str(tmp_path / "out")]
-    result = subprocess.run(command, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        command, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 1 and "torch sees no CUDA device: nothing to check here" in result.stderr

@@ -50,5 +50,7 @@ def test_a_ref_that_names_no_commit_is_refused():
     with pytest.raises(ValueError, match="--baseline no-such-ref: no such commit in"):
         baseline_layers("no-such-ref")
     tool = os.path.join(REPO, "tools", "benchmark_norms.py")
-    result = subprocess.run([sys.executable, tool, "--baseline", "no-such-ref"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, tool, "--baseline", "no-such-ref"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2 and "--baseline no-such-ref: no such commit in" in result.stderr

@@ -28,8 +28,9 @@ def benchmark(*args):
 
 def test_rows_time_each_norm_on_one_devices_share_of_the_batch(tmp_path):
     out = tmp_path / "rows.json"
-    result = benchmark("--norms", "SN,GN", "--devices", "3", "--classes", "7", "--epoch-images", "1200",
-                       "--json", out, *TINY)  # fmt: skip
+    result = benchmark(
+        "--norms", "SN,GN", "--devices", "3", "--classes", "7", "--epoch-images", "1200", "--json", out, *TINY
+    )
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
     assert [row["norm"] for row in rows] == ["BN", "SN", "GN"]
@@ -57,8 +58,9 @@ def image_folder(root):
 
 def test_data_gives_one_workers_speed_and_the_workers_each_device_needs(tmp_path):
     out = tmp_path / "rows.json"
-    result = benchmark("--norms", "GN", "--devices", "2", "--data", image_folder(tmp_path / "images"),
-                       "--json", out, *TINY)  # fmt: skip
+    result = benchmark(
+        "--norms", "GN", "--devices", "2", "--data", image_folder(tmp_path / "images"), "--json", out, *TINY
+    )
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
     loaded = rows[0]["loader_images_per_second_per_worker"]

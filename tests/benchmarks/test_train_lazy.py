@@ -21,13 +21,23 @@ def benchmark(*args):
 
 def test_a_lazy_config_is_timed_per_norm(tmp_path):
     rows_file = tmp_path / "rows.json"
-    result = benchmark("--config-file", "configs/lazy/demo_mask_rcnn_sn.py", "--norms", "GN,FrozenBN", "--rounds", "1",
-                       "--json", str(rows_file), "train.device=cpu")  # fmt: skip
+    result = benchmark(
+        "--config-file",
+        "configs/lazy/demo_mask_rcnn_sn.py",
+        "--norms",
+        "GN,FrozenBN",
+        "--rounds",
+        "1",
+        "--json",
+        str(rows_file),
+        "train.device=cpu",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(rows_file.read_text())
     assert [(row["setting"], row["norm"], row["graphed_backbone"], row["reference"]) for row in rows] == [
-        ("GN", "GN", False, "GN"), ("FrozenBN", "FrozenBN", False, "GN"),
-    ]  # fmt: skip
+        ("GN", "GN", False, "GN"),
+        ("FrozenBN", "FrozenBN", False, "GN"),
+    ]
     assert rows[0]["train_vs_gn"] == 1.0 and all(row["train_seconds"] > 0 for row in rows)
     assert "setting    train step s   x GN" in result.stdout
 
@@ -37,11 +47,13 @@ def test_a_lazy_config_is_timed_per_norm(tmp_path):
     "args, message",
     [
         (["--graphed-backbone"], "--graphed-backbone replays CUDA graphs, and the model is on cpu"),
-        (["--config-file", "configs/lazy/mask_rcnn_gn_lsj_100ep.py"],
-         "train.amp.enabled=True: mixed precision is timed on CUDA only, and the model is on cpu"),
+        (
+            ["--config-file", "configs/lazy/mask_rcnn_gn_lsj_100ep.py"],
+            "train.amp.enabled=True: mixed precision is timed on CUDA only, and the model is on cpu",
+        ),
     ],
     ids=["graphs", "amp"],
-)  # fmt: skip
+)
 def test_what_needs_cuda_is_refused_off_cuda(args, message):
     result = benchmark("--rounds", "1", *args)
     assert result.returncode != 0 and message in result.stderr

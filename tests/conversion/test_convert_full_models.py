@@ -3,9 +3,9 @@ every backbone key (FPN: backbone.bottom_up.*; C4: backbone.* and roi_heads.res5
 from the file through DetectionCheckpointer's name matching, and nothing in the file goes unused."""
 
 import pytest
+import torch
 from detectron2 import model_zoo
 from detectron2.modeling import build_model
-import torch
 from resnet_sources import (
     assert_loaded,
     load_with_checkpointer,
@@ -16,8 +16,8 @@ from resnet_sources import (
 from torch import nn
 
 from sn_detection import model_zoo as sn_model_zoo
-from sn_detection.d2 import add_sn_config
 from sn_detection.conversion import INPUT_CONVENTIONS, convert_file, write_checkpoint
+from sn_detection.d2 import add_sn_config
 from sn_detection.layers import SwitchableNorm2d
 
 MASK_RCNN_FPN = "COCO-InstanceSegmentation/mask_rcnn_R_50_FPN_1x.yaml"
@@ -50,8 +50,16 @@ def build(config: str, source: str, norm: str | None = None):
     cfg.merge_from_list(["MODEL.DEVICE", "cpu", "MODEL.WEIGHTS", ""])
     cfg.merge_from_list(INPUT_CONVENTIONS[source].config_overrides())
     if norm:
-        cfg.merge_from_list(["MODEL.RESNETS.NORM", norm, "MODEL.SN.META_ARCHITECTURE", cfg.MODEL.META_ARCHITECTURE,
-                             "MODEL.META_ARCHITECTURE", "SNMetaArch"])
+        cfg.merge_from_list(
+            [
+                "MODEL.RESNETS.NORM",
+                norm,
+                "MODEL.SN.META_ARCHITECTURE",
+                cfg.MODEL.META_ARCHITECTURE,
+                "MODEL.META_ARCHITECTURE",
+                "SNMetaArch",
+            ]
+        )
     return build_model(cfg)
 
 
@@ -125,8 +133,20 @@ def sn_without_bn_converted(tmp_path_factory):
 
 def sn_r18_config(use_bn: bool):
     cfg = sn_model_zoo.get_config("mask_rcnn_sn_2x")
-    cfg.merge_from_list(["MODEL.DEVICE", "cpu", "MODEL.WEIGHTS", "", "MODEL.RESNETS.DEPTH", 18,
-                         "MODEL.RESNETS.RES2_OUT_CHANNELS", 64, "MODEL.SN.USE_BN", use_bn])
+    cfg.merge_from_list(
+        [
+            "MODEL.DEVICE",
+            "cpu",
+            "MODEL.WEIGHTS",
+            "",
+            "MODEL.RESNETS.DEPTH",
+            18,
+            "MODEL.RESNETS.RES2_OUT_CHANNELS",
+            64,
+            "MODEL.SN.USE_BN",
+            use_bn,
+        ]
+    )
     return build_model(cfg)
 
 

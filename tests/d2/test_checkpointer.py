@@ -7,10 +7,9 @@ import re
 
 import pytest
 import torch
-from tiny_rcnn import tiny_cfg
-
 from detectron2.checkpoint import DetectionCheckpointer
 from detectron2.modeling import build_model
+from tiny_rcnn import tiny_cfg
 
 from sn_detection.d2 import CheckedCheckpointer
 from sn_detection.d2.checkpointer import check_resumed_iteration
@@ -96,9 +95,12 @@ def test_weights_that_fit_in_part_load_as_in_detectron2(model, tmp_path):
 def test_a_run_resumes_only_from_a_checkpoint_of_its_model(model, tmp_path):
     CheckedCheckpointer(model, str(tmp_path)).save("model_0000001", iteration=1)
     other = build_model(tiny_cfg("BN", "c4"))  # the norm changed: SN's gate logits and identities are absent
-    with pytest.raises(ValueError, match=rf"cannot resume from {tmp_path / 'model_0000001.pth'}: it is not a "
-                                         r"checkpoint of this model: \d+ keys the model does not have .* Resume with "
-                                         r"the config that made it"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"cannot resume from {tmp_path / 'model_0000001.pth'}: it is not a "
+        r"checkpoint of this model: \d+ keys the model does not have .* Resume with "
+        r"the config that made it",
+    ):
         CheckedCheckpointer(other, str(tmp_path)).resume_or_load("", resume=True)
     CheckedCheckpointer(other, str(tmp_path)).load(str(tmp_path / "model_0000001.pth"))  # as weights: in part
     (tmp_path / "bn").mkdir()
@@ -113,8 +115,11 @@ def test_a_run_resumes_only_from_a_checkpoint_of_its_model(model, tmp_path):
 
 def test_a_run_does_not_resume_past_its_last_iteration():
     check_resumed_iteration(5, 5, "SOLVER.MAX_ITER", "out")  # a finished run: nothing left to train
-    with pytest.raises(ValueError, match=r"the last checkpoint in out is at iteration 5, past SOLVER.MAX_ITER=3: "
-                                         r"raise SOLVER.MAX_ITER"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"the last checkpoint in out is at iteration 5, past SOLVER.MAX_ITER=3: "
+        r"raise SOLVER.MAX_ITER",
+    ):
         check_resumed_iteration(6, 3, "SOLVER.MAX_ITER", "out")
 
 
@@ -126,8 +131,11 @@ def test_evaluation_needs_every_trained_tensor(model, tmp_path):
     backbone = tmp_path / "backbone.pth"  # weights that finetuning loads in part
     torch.save({"model": {k: v for k, v in model.state_dict().items() if k.startswith("backbone.")}}, backbone)
     other = build_model(tiny_cfg("SN", "c4"))
-    with pytest.raises(ValueError, match=rf"cannot evaluate {backbone}: it is not a checkpoint of this model: "
-                                         r"\d+ keys of the model it lacks \(e.g. proposal_generator"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"cannot evaluate {backbone}: it is not a checkpoint of this model: "
+        r"\d+ keys of the model it lacks \(e.g. proposal_generator",
+    ):
         CheckedCheckpointer(other).evaluate_from(str(backbone), "MODEL.WEIGHTS")
     CheckedCheckpointer(other).evaluate_from(str(full), "MODEL.WEIGHTS")
     for key, value in other.state_dict().items():
@@ -138,8 +146,11 @@ def test_a_frozen_bn_checkpoint_does_not_resume_a_bn_model(tmp_path):
     """FrozenBN's and BN's keys differ only by BN's training counter: on resume, its absence is another norm."""
     frozen = build_model(tiny_cfg("FrozenBN", "c4"))
     CheckedCheckpointer(frozen, str(tmp_path)).save("model_0000001", iteration=1)
-    with pytest.raises(ValueError, match=r"it is not a checkpoint of this model: \d+ keys of the model it lacks "
-                                         r"\(e.g. backbone.*num_batches_tracked"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"it is not a checkpoint of this model: \d+ keys of the model it lacks "
+        r"\(e.g. backbone.*num_batches_tracked",
+    ):
         CheckedCheckpointer(build_model(tiny_cfg("BN", "c4")), str(tmp_path)).resume_or_load("", resume=True)
 
 
@@ -151,16 +162,21 @@ def test_what_is_no_weight_of_the_model_does_not_count(model, tmp_path):
     CheckedCheckpointer(model).evaluate_from(str(tmp_path / "with_pixel_statistics.pth"), "MODEL.WEIGHTS")
     bn = build_model(tiny_cfg("BN", "c4"))
     torch.save({"model": bn.state_dict()}, tmp_path / "bn.pth")
-    CheckedCheckpointer(build_model(tiny_cfg("FrozenBN", "c4"))).evaluate_from(str(tmp_path / "bn.pth"), "MODEL.WEIGHTS")
+    CheckedCheckpointer(build_model(tiny_cfg("FrozenBN", "c4"))).evaluate_from(
+        str(tmp_path / "bn.pth"), "MODEL.WEIGHTS"
+    )
 
 
 def test_a_tensor_of_another_shape_is_named_once(model, tmp_path):
     state = dict(model.state_dict())
     state["roi_heads.box_predictor.cls_score.weight"] = torch.zeros(2, 2)
     torch.save({"model": state}, tmp_path / "other_classes.pth")
-    with pytest.raises(ValueError, match=r"it is not a checkpoint of this model: 1 of another shape \(e.g. "
-                                         r"roi_heads.box_predictor.cls_score.weight .*To evaluate a training run, "
-                                         r"give its checkpoint"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"it is not a checkpoint of this model: 1 of another shape \(e.g. "
+        r"roi_heads.box_predictor.cls_score.weight .*To evaluate a training run, "
+        r"give its checkpoint",
+    ):
         CheckedCheckpointer(model).evaluate_from(str(tmp_path / "other_classes.pth"), "MODEL.WEIGHTS")
 
 
@@ -168,8 +184,18 @@ def test_a_tensor_of_another_shape_is_named_once(model, tmp_path):
     "saved, loaded, ours, theirs",
     [
         (("GN",), ("PONO",), "PositionalNorm2d(eps=1e-05)", "GroupNorm2d(eps=1e-05, num_groups=8)"),
-        (("GN",), ("GN", "MODEL.SN.GN_GROUPS", 4), "GroupNorm2d(eps=1e-05, num_groups=4)", "GroupNorm2d(eps=1e-05, num_groups=8)"),
-        (("SN",), ("SN", "MODEL.SN.EPS", 1e-3), "SwitchableNorm2d(eps=0.001, use_bn=True)", "SwitchableNorm2d(eps=1e-05, use_bn=True)"),
+        (
+            ("GN",),
+            ("GN", "MODEL.SN.GN_GROUPS", 4),
+            "GroupNorm2d(eps=1e-05, num_groups=4)",
+            "GroupNorm2d(eps=1e-05, num_groups=8)",
+        ),
+        (
+            ("SN",),
+            ("SN", "MODEL.SN.EPS", 1e-3),
+            "SwitchableNorm2d(eps=0.001, use_bn=True)",
+            "SwitchableNorm2d(eps=1e-05, use_bn=True)",
+        ),
     ],
     ids=["GN-into-PONO", "GN-groups", "SN-eps"],
 )
@@ -178,11 +204,15 @@ def test_weights_of_another_norm_or_options_are_refused_on_every_load(tmp_path, 
     load silently: each layer's saved identity refuses them, through detectron2's own loader too."""
     CheckedCheckpointer(build_model(tiny_cfg(saved[0], "c4", *saved[1:])), str(tmp_path)).save("model_final")
     path = str(tmp_path / "model_final.pth")
-    mismatch = rf"roi_heads\.res5\.0\.conv1\.norm is {re.escape(ours)}, but the state dict was saved by {re.escape(theirs)}"
+    mismatch = (
+        rf"roi_heads\.res5\.0\.conv1\.norm is {re.escape(ours)}, but the state dict was saved by {re.escape(theirs)}"
+    )
     model = build_model(tiny_cfg(loaded[0], "c4", *loaded[1:]))
     with pytest.raises(ValueError, match=rf"cannot load weights from {path}: (.|\n)*{mismatch}"):
         CheckedCheckpointer(model).load(path)
-    with pytest.raises(ValueError, match=rf"cannot evaluate {path}: it is not a checkpoint of this model: (.|\n)*{mismatch}"):
+    with pytest.raises(
+        ValueError, match=rf"cannot evaluate {path}: it is not a checkpoint of this model: (.|\n)*{mismatch}"
+    ):
         CheckedCheckpointer(model).evaluate_from(path, "MODEL.WEIGHTS")
     with pytest.raises(RuntimeError, match=mismatch):  # DefaultPredictor's loader
         DetectionCheckpointer(model).load(path)
@@ -195,6 +225,9 @@ def test_weights_without_identities_are_not_evaluated_by_a_model_with_them(tmp_p
     path = str(tmp_path / "model_final.pth")
     bnsr = build_model(tiny_cfg("BNSR", "c4"))
     CheckedCheckpointer(bnsr).load(path)
-    with pytest.raises(ValueError, match=rf"cannot evaluate {path}: it is not a checkpoint of this model: \d+ keys of "
-                                         r"the model it lacks \(e\.g\. [\w.]+norm\._extra_state"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"cannot evaluate {path}: it is not a checkpoint of this model: \d+ keys of "
+        r"the model it lacks \(e\.g\. [\w.]+norm\._extra_state",
+    ):
         CheckedCheckpointer(bnsr).evaluate_from(path, "MODEL.WEIGHTS")

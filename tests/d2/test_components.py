@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
+from detectron2.modeling import build_model
 from detectron2.utils.events import EventStorage
 from tiny_rcnn import synthetic_batch, tiny_cfg
 
 from sn_detection.analysis import GateRecorder, learned_choices
-from detectron2.modeling import build_model
 from sn_detection.d2.components import COMPONENTS, component_of
 from sn_detection.d2.norm_analysis import component_summaries
 from sn_detection.layers import DynamicNorm2d, ModeGroupNorm2d, SwitchableNorm2d

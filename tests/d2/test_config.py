@@ -7,9 +7,8 @@ import argparse
 import re
 
 import pytest
-from tiny_rcnn import FPN_PARTS, tiny_cfg
-
 from detectron2.modeling import build_model
+from tiny_rcnn import FPN_PARTS, tiny_cfg
 
 from sn_detection.d2 import validate_sn_config
 from sn_detection.engine import setup_cfg

@@ -14,11 +14,11 @@ step, so that running statistics and gates have left their initial values.
 import pytest
 import torch
 from detectron2.export import TracingAdapter, scripting_with_instances
+from detectron2.modeling import build_model
 from detectron2.structures import Boxes
 from tiny_rcnn import IMAGE_SIZE, synthetic_batch, tiny_cfg, train_step
 from torch import Tensor
 
-from detectron2.modeling import build_model
 from sn_detection.layers import NORM_NAMES
 
 # What Instances hold in R-CNN inference (detectron2's own scripting test declares the same fields).

@@ -6,10 +6,9 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-from tiny_rcnn import is_frozen_stage, norms_under, snapshot, tiny_cfg, train_step
-
 from detectron2.modeling import build_model
+from tiny_rcnn import is_frozen_stage, norms_under, snapshot, tiny_cfg, train_step
+from torch import nn
 
 from sn_detection.layers import NormBase, SwitchableNorm2d, build_norm
 

@@ -130,10 +130,12 @@ def train_steps(module, optimizer, batches, zero=True):
         if zero:
             optimizer.zero_grad(set_to_none=True)
         loss_of(features).backward()
-        record.append((
-            {key: value.detach().clone() for key, value in features.items()},
-            [None if p.grad is None else p.grad.clone() for p in module.parameters()],
-        ))  # fmt: skip
+        record.append(
+            (
+                {key: value.detach().clone() for key, value in features.items()},
+                [None if p.grad is None else p.grad.clone() for p in module.parameters()],
+            )
+        )
         optimizer.step()
     return record
 
@@ -185,8 +187,10 @@ def test_cuda_gradients_accumulate_as_eagerly():
     batches = inputs(4)
     train_steps(eager, eager_sgd, batches[:2])
     train_steps(graphed, graphed_sgd, batches[:2])  # captured at the second
-    assert_same(train_steps(eager, eager_sgd, batches[2:], zero=False),
-                train_steps(graphed, graphed_sgd, batches[2:], zero=False))  # fmt: skip
+    assert_same(
+        train_steps(eager, eager_sgd, batches[2:], zero=False),
+        train_steps(graphed, graphed_sgd, batches[2:], zero=False),
+    )
 
 
 @cuda

@@ -5,7 +5,14 @@ tests/layers/test_batch_average.py.)"""
 import copy
 
 import torch
-from batch_average_nets import TwoNormNet, Untouchable, assert_statistics, expected_statistics, layer_inputs, make_batches
+from batch_average_nets import (
+    TwoNormNet,
+    Untouchable,
+    assert_statistics,
+    expected_statistics,
+    layer_inputs,
+    make_batches,
+)
 from detectron2.config import get_cfg
 from detectron2.engine import SimpleTrainer
 from detectron2.engine.hooks import EvalHook, IterationTimer, PeriodicCheckpointer

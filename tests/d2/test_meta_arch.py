@@ -10,12 +10,20 @@ import torch
 from detectron2.layers import FrozenBatchNorm2d, get_norm
 from detectron2.modeling import META_ARCH_REGISTRY, build_model
 from detectron2.modeling.meta_arch import GeneralizedRCNN
-from torch import nn
 from tiny_rcnn import C4_PARTS, FPN_PARTS, is_frozen_stage, norms_under, snapshot, tiny_cfg, train_step
+from torch import nn
 
 import sn_detection.d2
 from sn_detection.d2 import norm_layer, resolve_norms, validate_sn_config
-from sn_detection.layers import IDENTITY_KEY, NORM_NAMES, GroupNorm2d, NormBuildError, NormFactory, SwitchableNorm2d, build_norm
+from sn_detection.layers import (
+    IDENTITY_KEY,
+    NORM_NAMES,
+    GroupNorm2d,
+    NormBuildError,
+    NormFactory,
+    SwitchableNorm2d,
+    build_norm,
+)
 
 
 def test_importing_the_package_registers_the_meta_architecture():
@@ -48,8 +56,18 @@ def test_gn_is_detectron2s_group_norm_by_default():
 
 
 def test_detectron2_names_build_their_modules_in_a_model():
-    cfg = tiny_cfg("", "fpn", "MODEL.RESNETS.NORM", "FrozenBN", "MODEL.FPN.NORM", "LN",
-                   "MODEL.ROI_BOX_HEAD.NORM", "BN", "MODEL.ROI_MASK_HEAD.NORM", "SyncBN")
+    cfg = tiny_cfg(
+        "",
+        "fpn",
+        "MODEL.RESNETS.NORM",
+        "FrozenBN",
+        "MODEL.FPN.NORM",
+        "LN",
+        "MODEL.ROI_BOX_HEAD.NORM",
+        "BN",
+        "MODEL.ROI_MASK_HEAD.NORM",
+        "SyncBN",
+    )
     model = build_model(cfg)
     for key, prefix in FPN_PARTS.items():
         norms = norms_under(model, prefix)
@@ -93,9 +111,24 @@ def test_an_unknown_name_in_any_key_fails_when_the_model_is_built(key):
 
 
 def test_options_from_the_config_reach_the_layers():
-    cfg = tiny_cfg("GN", "fpn", "MODEL.SN.GN_GROUPS", 4, "MODEL.SN.EPS", 1e-3,
-                   "MODEL.ROI_BOX_HEAD.NORM", "SN", "MODEL.SN.USE_BN", False, "MODEL.SN.MOMENTUM", 0.2,
-                   "MODEL.ROI_MASK_HEAD.NORM", "MN", "MODEL.SN.NUM_MODES", 3)
+    cfg = tiny_cfg(
+        "GN",
+        "fpn",
+        "MODEL.SN.GN_GROUPS",
+        4,
+        "MODEL.SN.EPS",
+        1e-3,
+        "MODEL.ROI_BOX_HEAD.NORM",
+        "SN",
+        "MODEL.SN.USE_BN",
+        False,
+        "MODEL.SN.MOMENTUM",
+        0.2,
+        "MODEL.ROI_MASK_HEAD.NORM",
+        "MN",
+        "MODEL.SN.NUM_MODES",
+        3,
+    )
     model = build_model(cfg)
     groups = [m for m in model.modules() if isinstance(m, nn.GroupNorm)]
     assert groups and all(m.num_groups == 4 and m.eps == 1e-3 for m in groups)
@@ -108,16 +141,22 @@ def test_options_from_the_config_reach_the_layers():
 
 @pytest.mark.parametrize(
     "norm, key, value",
-    [("DN", "MODEL.SN.DN_INIT_GROUPS", 1), ("DN", "MODEL.SN.DN_INIT_BATCH_POOL", True),
-     ("BNSR", "MODEL.SN.BNSR_P", 1.5), ("MGN", "MODEL.SN.NUM_MODES", 4)],
+    [
+        ("DN", "MODEL.SN.DN_INIT_GROUPS", 1),
+        ("DN", "MODEL.SN.DN_INIT_BATCH_POOL", True),
+        ("BNSR", "MODEL.SN.BNSR_P", 1.5),
+        ("MGN", "MODEL.SN.NUM_MODES", 4),
+    ],
 )
 def test_each_option_reaches_its_layer(norm, key, value):
     model = build_model(tiny_cfg(norm, "c4", key, value))
     stem = model.backbone.stem.conv1.norm
-    expected = {"MODEL.SN.DN_INIT_GROUPS": lambda m: m.selected_grouping().num_groups == 1,
-                "MODEL.SN.DN_INIT_BATCH_POOL": lambda m: m.selected_grouping().pools_batch,
-                "MODEL.SN.BNSR_P": lambda m: m.p == 1.5,
-                "MODEL.SN.NUM_MODES": lambda m: m.num_modes == 4}[key]
+    expected = {
+        "MODEL.SN.DN_INIT_GROUPS": lambda m: m.selected_grouping().num_groups == 1,
+        "MODEL.SN.DN_INIT_BATCH_POOL": lambda m: m.selected_grouping().pools_batch,
+        "MODEL.SN.BNSR_P": lambda m: m.p == 1.5,
+        "MODEL.SN.NUM_MODES": lambda m: m.num_modes == 4,
+    }[key]
     assert expected(stem)
 
 
@@ -170,8 +209,10 @@ def test_the_inner_meta_architecture_must_be_another_registered_one(inner):
 
 @pytest.mark.parametrize(
     "norm, key, value, message",
-    [("GN", "MODEL.SN.GN_GROUPS", 3, "not divisible by num_groups=3"),
-     ("DN", "MODEL.SN.DN_INIT_GROUPS", 3, "init_groups=3 cannot be expressed")],
+    [
+        ("GN", "MODEL.SN.GN_GROUPS", 3, "not divisible by num_groups=3"),
+        ("DN", "MODEL.SN.DN_INIT_GROUPS", 3, "init_groups=3 cannot be expressed"),
+    ],
 )
 def test_group_counts_that_do_not_suit_the_channels_fail_when_the_model_is_built(norm, key, value, message):
     """Values out of range whatever the channels fail earlier, with the config: tests/d2/test_config.py."""
@@ -183,10 +224,12 @@ def test_group_counts_that_do_not_suit_the_channels_fail_when_the_model_is_built
 
 @pytest.mark.parametrize(
     "norm, options, message",
-    [("MN", {"num_modes": 0}, r"ModeNorm2d: num_modes=0 is invalid: it must be an int >= 1"),
-     ("MGN", {"num_modes": 0}, r"ModeGroupNorm2d: num_modes=0 is invalid: it must be an int >= 1"),
-     ("BNSR", {"p": 0.0}, r"SkewnessReducedBatchNorm2d: p=0.0 is invalid: it must be a number > 0"),
-     ("SN", {"num_groups": 4}, r"norm 'SN' does not accept option\(s\) \['num_groups'\]")],
+    [
+        ("MN", {"num_modes": 0}, r"ModeNorm2d: num_modes=0 is invalid: it must be an int >= 1"),
+        ("MGN", {"num_modes": 0}, r"ModeGroupNorm2d: num_modes=0 is invalid: it must be an int >= 1"),
+        ("BNSR", {"p": 0.0}, r"SkewnessReducedBatchNorm2d: p=0.0 is invalid: it must be a number > 0"),
+        ("SN", {"num_groups": 4}, r"norm 'SN' does not accept option\(s\) \['num_groups'\]"),
+    ],
 )
 def test_invalid_factory_options_fail_when_the_factory_is_made(norm, options, message):
     with pytest.raises(ValueError, match=message):
@@ -195,5 +238,7 @@ def test_invalid_factory_options_fail_when_the_factory_is_made(norm, options, me
 
 def test_a_layer_refusing_its_channels_names_the_norm_and_its_options():
     factory = NormFactory("GN", num_groups=3)
-    with pytest.raises(NormBuildError, match=r"cannot build norm 'GN' over 16 channels with options \{'num_groups': 3\}"):
+    with pytest.raises(
+        NormBuildError, match=r"cannot build norm 'GN' over 16 channels with options \{'num_groups': 3\}"
+    ):
         factory(16)

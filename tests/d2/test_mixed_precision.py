@@ -8,10 +8,9 @@ and buffers after the optimizer step; and our layers must really have received l
 
 import pytest
 import torch
+from detectron2.modeling import build_model
 from detectron2.utils.events import EventStorage
 from tiny_rcnn import synthetic_batch, tiny_cfg
-
-from detectron2.modeling import build_model
 
 from sn_detection.d2 import build_optimizer
 from sn_detection.layers import NORM_NAMES

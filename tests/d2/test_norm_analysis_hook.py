@@ -6,10 +6,9 @@ import itertools
 import pytest
 import torch
 from detectron2.engine import SimpleTrainer
+from detectron2.modeling import build_model
 from PIL import Image
 from tiny_rcnn import synthetic_batch, tiny_cfg
-
-from detectron2.modeling import build_model
 
 from sn_detection.d2 import build_optimizer
 from sn_detection.d2.components import component_of

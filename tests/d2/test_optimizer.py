@@ -18,11 +18,21 @@ BASE_LR, WEIGHT_DECAY, WEIGHT_DECAY_NORM, GATE_WEIGHT_DECAY, GATE_LR_FACTOR = 0.
 def solver_cfg(*opts):
     cfg = get_cfg()
     add_sn_config(cfg)
-    cfg.merge_from_list([
-        "SOLVER.BASE_LR", BASE_LR, "SOLVER.WEIGHT_DECAY", WEIGHT_DECAY,
-        "SOLVER.WEIGHT_DECAY_NORM", WEIGHT_DECAY_NORM, "SOLVER.GATE_WEIGHT_DECAY", GATE_WEIGHT_DECAY,
-        "SOLVER.GATE_LR_FACTOR", GATE_LR_FACTOR, *opts,
-    ])
+    cfg.merge_from_list(
+        [
+            "SOLVER.BASE_LR",
+            BASE_LR,
+            "SOLVER.WEIGHT_DECAY",
+            WEIGHT_DECAY,
+            "SOLVER.WEIGHT_DECAY_NORM",
+            WEIGHT_DECAY_NORM,
+            "SOLVER.GATE_WEIGHT_DECAY",
+            GATE_WEIGHT_DECAY,
+            "SOLVER.GATE_LR_FACTOR",
+            GATE_LR_FACTOR,
+            *opts,
+        ]
+    )
     return cfg
 
 
@@ -112,9 +122,12 @@ def test_plain_arguments_give_the_groups_of_the_config():
     """What a LazyConfig sets (configs/lazy) is what a yaml config sets."""
     model = network()
     params = get_optimizer_params(
-        model, base_lr=BASE_LR, weight_decay_norm=WEIGHT_DECAY_NORM, gate_lr_factor=GATE_LR_FACTOR,
+        model,
+        base_lr=BASE_LR,
+        weight_decay_norm=WEIGHT_DECAY_NORM,
+        gate_lr_factor=GATE_LR_FACTOR,
         gate_weight_decay=GATE_WEIGHT_DECAY,
-    )  # fmt: skip
+    )
     optimizer = torch.optim.SGD(params, lr=BASE_LR, momentum=0.9, weight_decay=WEIGHT_DECAY)
     assert hyperparameters(optimizer) == hyperparameters(build_optimizer(solver_cfg(), model))
 
@@ -128,5 +141,7 @@ def test_the_trainer_builds_this_optimizer():
 @pytest.mark.parametrize("value", [-1.0, float("inf")])
 def test_plain_gate_arguments_follow_the_config_keys_rules(option, value):
     """A LazyConfig passes these directly: a negative LR factor would make the gates climb the loss."""
-    with pytest.raises(ValueError, match=f"get_optimizer_params: {option}={value!r} is invalid: it must be a number >= 0"):
+    with pytest.raises(
+        ValueError, match=f"get_optimizer_params: {option}={value!r} is invalid: it must be a number >= 0"
+    ):
         get_optimizer_params(build_norm("SN", 8), base_lr=0.02, **{option: value})

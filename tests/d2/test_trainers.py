@@ -45,8 +45,11 @@ def test_without_amp_one_process_trains_the_model_itself():
 
 
 def test_amp_for_a_model_off_cuda_is_refused_naming_the_key():
-    with pytest.raises(ValueError, match=r"PRETRAIN.AMP=True needs the model on a CUDA device .* it is on cpu; "
-                                         r"set PRETRAIN.AMP False"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"PRETRAIN.AMP=True needs the model on a CUDA device .* it is on cpu; "
+        r"set PRETRAIN.AMP False",
+    ):
         step_trainer(Regression(), None, None, True, "PRETRAIN.AMP")
 
 

@@ -43,9 +43,20 @@ def train_shrunk(*opts, flags=(), env=None):
     subprocess with one intra-op thread per process and the variables of ``env``; returns its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     result = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "train_net.py"), *flags, "--config-file", DEMO_CONFIG,
-         *SHRINK, *opts],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(REPO, "tools", "train_net.py"),
+            *flags,
+            "--config-file",
+            DEMO_CONFIG,
+            *SHRINK,
+            *opts,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout + result.stderr

@@ -2,8 +2,8 @@
 trains (detectron2's AMPTrainer would fail at the first step, or train in float32 where CUDA exists)."""
 
 import pytest
-
 from shrunk_training import shrunk_cfg
+
 from sn_detection.engine import Trainer
 
 

@@ -45,8 +45,17 @@ def case_cfg(output_dir, norm, keep):
     opts = [item for key in NORM_KEYS for item in (key, norm)]
     for option, value in options.items():
         opts += [NON_DEFAULT[option][0], str(value)]
-    opts += [*GATE_OPTIONS, "SOLVER.MAX_ITER", "1", "SEED", "1", "TEST.BATCH_AVERAGE.ENABLED", "True",
-             "TEST.BATCH_AVERAGE.NUM_BATCHES", "1"]  # fmt: skip
+    opts += [
+        *GATE_OPTIONS,
+        "SOLVER.MAX_ITER",
+        "1",
+        "SEED",
+        "1",
+        "TEST.BATCH_AVERAGE.ENABLED",
+        "True",
+        "TEST.BATCH_AVERAGE.NUM_BATCHES",
+        "1",
+    ]
     return shrunk_cfg(output_dir, *opts), options
 
 
@@ -124,5 +133,10 @@ def test_detectron2s_default_trainer_takes_our_optimizer_as_the_readme_says(tmp_
     trainer = OurOptimizerTrainer(cfg)
     # the lr before the warm-up's factor, which the scheduler already applies
     lr_of = {param: group["initial_lr"] for group in trainer.optimizer.param_groups for param in group["params"]}
-    gates = [m.get_parameter(name) for m in trainer.model.modules() if isinstance(m, NORM_CLASSES) for name in gate_parameter_names(m)]
+    gates = [
+        m.get_parameter(name)
+        for m in trainer.model.modules()
+        if isinstance(m, NORM_CLASSES)
+        for name in gate_parameter_names(m)
+    ]
     assert gates and all(lr_of[gate] == pytest.approx(cfg.SOLVER.BASE_LR * 3.0) for gate in gates)  # GATE_LR_FACTOR

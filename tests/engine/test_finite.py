@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 from detectron2.engine import HookBase
-
 from shrunk_training import shrunk_cfg
-from sn_detection.engine import Trainer
+
 from sn_detection.d2.checkpointer import non_finite_entries
+from sn_detection.engine import Trainer
 
 # 2 iterations: the failure comes at the last, whose checkpoint is model_final.pth
 OPTS = ["SOLVER.MAX_ITER", "2", "SEED", "1"]

@@ -37,8 +37,19 @@ COMPONENTS = ["stem", "res2", "res3", "res4", "res5", "FPN", "box head", "mask h
 def trained(tmp_path_factory):
     """The SN demo trained for 2 iterations with the analysis logged every iteration, no evaluation."""
     output_dir = str(tmp_path_factory.mktemp("demo"))
-    command = [sys.executable, os.path.join(REPO, "tools", "train_net.py"), "--config-file", DEMO_CONFIG, *SHRINK,
-               "TEST.NORM_ANALYSIS.PERIOD", "1", "DATASETS.TEST", "()", "OUTPUT_DIR", output_dir]  # fmt: skip
+    command = [
+        sys.executable,
+        os.path.join(REPO, "tools", "train_net.py"),
+        "--config-file",
+        DEMO_CONFIG,
+        *SHRINK,
+        "TEST.NORM_ANALYSIS.PERIOD",
+        "1",
+        "DATASETS.TEST",
+        "()",
+        "OUTPUT_DIR",
+        output_dir,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -59,8 +70,10 @@ def test_training_logs_the_sn_weights_to_metrics_and_draws_their_evolution(train
 def test_analyze_norms_of_the_trained_model(trained, capsys):
     paths = analyze.main(["--config-file", DEMO_CONFIG, *SHRINK, "OUTPUT_DIR", trained])
     folder = os.path.join(trained, "norm_analysis")
-    assert paths == [os.path.join(folder, name) for name in
-                     ("norm_analysis.md", "norm_analysis.csv", "norm_layers.csv", "sn_importance.png")]  # fmt: skip
+    assert paths == [
+        os.path.join(folder, name)
+        for name in ("norm_analysis.md", "norm_analysis.csv", "norm_layers.csv", "sn_importance.png")
+    ]
     assert f"chart: {os.path.join(folder, 'sn_importance.png')}" in capsys.readouterr().out
     text = open(paths[0], encoding="utf-8").read()
     assert os.path.join(trained, "model_final.pth") in text  # the last checkpoint of OUTPUT_DIR
@@ -73,15 +86,31 @@ def test_analyze_norms_of_the_trained_model(trained, capsys):
 
 def test_the_checkpoint_of_another_config_is_refused(trained):
     """SN's checkpoint under a GN config would load in part, and GN's learned values would be initial ones."""
-    gn = [item for key in ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
-          for item in (key, "GN")]  # fmt: skip
+    gn = [
+        item
+        for key in ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
+        for item in (key, "GN")
+    ]
     with pytest.raises(ValueError, match="cannot evaluate .*model_final.pth: it is not a checkpoint of this model"):
         analyze.main(["--config-file", DEMO_CONFIG, *SHRINK, *gn, "OUTPUT_DIR", trained])
 
 
 def test_demo_draws_predictions_beside_the_ground_truth(trained, tmp_path):
-    written = demo.main(["--config-file", DEMO_CONFIG, "--num-images", "2", "--output", str(tmp_path),
-                         "--confidence-threshold", "0", *SHRINK, "OUTPUT_DIR", trained])  # fmt: skip
+    written = demo.main(
+        [
+            "--config-file",
+            DEMO_CONFIG,
+            "--num-images",
+            "2",
+            "--output",
+            str(tmp_path),
+            "--confidence-threshold",
+            "0",
+            *SHRINK,
+            "OUTPUT_DIR",
+            trained,
+        ]
+    )
     assert [os.path.basename(path) for path in written] == ["000_000000.png", "001_000001.png"]
     objects = sum(len(record["annotations"]) for record in demo.dataset_records("sn_shapes_val", 2))
     report = (tmp_path / demo.OBJECTS_FILE).read_text(encoding="utf-8")
@@ -98,26 +127,43 @@ def test_demo_on_image_files(trained, tmp_path):
     source = tmp_path / "in"
     source.mkdir()
     Image.fromarray(np.full((96, 128, 3), 120, dtype=np.uint8)).save(source / "gray.jpg")
-    written = demo.main(["--config-file", DEMO_CONFIG, "--input", str(source / "*.jpg"), "--output",
-                         str(tmp_path / "out"), *SHRINK, "OUTPUT_DIR", trained])  # fmt: skip
+    written = demo.main(
+        [
+            "--config-file",
+            DEMO_CONFIG,
+            "--input",
+            str(source / "*.jpg"),
+            "--output",
+            str(tmp_path / "out"),
+            *SHRINK,
+            "OUTPUT_DIR",
+            trained,
+        ]
+    )
     assert [os.path.basename(path) for path in written] == ["000_gray.png"]
     assert Image.open(written[0]).size == (256, 192)  # predictions only, drawn at twice the size
 
 
 def test_objects_are_found_by_overlap_and_judged_by_the_top_detection():
-    record = {"annotations": [
-        {"bbox": [0, 0, 10, 10], "bbox_mode": BoxMode.XYWH_ABS, "category_id": 0},  # one right detection
-        {"bbox": [20, 0, 40, 10], "bbox_mode": BoxMode.XYXY_ABS, "category_id": 1},  # the top one is wrong
-        {"bbox": [0, 30, 10, 10], "bbox_mode": BoxMode.XYWH_ABS, "category_id": 2},  # only a far detection
-    ]}  # fmt: skip
+    record = {
+        "annotations": [
+            {"bbox": [0, 0, 10, 10], "bbox_mode": BoxMode.XYWH_ABS, "category_id": 0},  # one right detection
+            {"bbox": [20, 0, 40, 10], "bbox_mode": BoxMode.XYXY_ABS, "category_id": 1},  # the top one is wrong
+            {"bbox": [0, 30, 10, 10], "bbox_mode": BoxMode.XYWH_ABS, "category_id": 2},  # only a far detection
+        ]
+    }
     instances = Instances((50, 50))
-    instances.pred_boxes = Boxes(torch.tensor([
-        [1.0, 0, 10, 10],    # IoU 0.9 with object 0
-        [20, 0, 38, 10],     # IoU 0.9 with object 1
-        [22, 0, 40, 10],     # IoU 0.9 with object 1, higher score, class 2
-        [0, 30, 10, 34],     # IoU 0.4 with object 2: not found
-        [0, 0, 10, 10],      # exactly object 0's box, but the lowest score: not the top detection
-    ]))  # fmt: skip
+    instances.pred_boxes = Boxes(
+        torch.tensor(
+            [
+                [1.0, 0, 10, 10],  # IoU 0.9 with object 0
+                [20, 0, 38, 10],  # IoU 0.9 with object 1
+                [22, 0, 40, 10],  # IoU 0.9 with object 1, higher score, class 2
+                [0, 30, 10, 34],  # IoU 0.4 with object 2: not found
+                [0, 0, 10, 10],  # exactly object 0's box, but the lowest score: not the top detection
+            ]
+        )
+    )
     instances.scores = torch.tensor([0.6, 0.5, 0.7, 0.99, 0.3])
     instances.pred_classes = torch.tensor([0, 1, 2, 2, 4])
     outcomes = demo.object_classes(instances, record)
@@ -136,12 +182,16 @@ def test_objects_are_found_by_overlap_and_judged_by_the_top_detection():
 
 def test_class_agnostic_nms_keeps_the_top_detection_of_each_place():
     instances = Instances((50, 50))
-    instances.pred_boxes = Boxes(torch.tensor([
-        [0.0, 0, 10, 10],    # a cross
-        [0, 0, 10, 9],       # the same object called a star, at a higher score: IoU 0.9 with the first
-        [0, 0, 10, 5],       # IoU 0.5 with the first, 0.56 with the second
-        [30, 30, 40, 40],    # elsewhere
-    ]))  # fmt: skip
+    instances.pred_boxes = Boxes(
+        torch.tensor(
+            [
+                [0.0, 0, 10, 10],  # a cross
+                [0, 0, 10, 9],  # the same object called a star, at a higher score: IoU 0.9 with the first
+                [0, 0, 10, 5],  # IoU 0.5 with the first, 0.56 with the second
+                [30, 30, 40, 40],  # elsewhere
+            ]
+        )
+    )
     instances.scores = torch.tensor([0.6, 0.7, 0.5, 0.3])
     instances.pred_classes = torch.tensor([4, 3, 4, 0])
     kept = demo.suppress_overlaps(instances, 0.7)
@@ -169,8 +219,17 @@ def test_demo_refuses_a_folder_as_input_before_loading_the_model(tmp_path):
     folder = tmp_path / "images"
     folder.mkdir()
     # OUTPUT_DIR holds no checkpoint: loading the model first would fail with "no trained model"
-    arguments = ["--config-file", DEMO_CONFIG, "--input", str(folder), "--output", str(tmp_path / "out"), *SHRINK,
-                 "OUTPUT_DIR", str(tmp_path / "train")]  # fmt: skip
+    arguments = [
+        "--config-file",
+        DEMO_CONFIG,
+        "--input",
+        str(folder),
+        "--output",
+        str(tmp_path / "out"),
+        *SHRINK,
+        "OUTPUT_DIR",
+        str(tmp_path / "train"),
+    ]
     with pytest.raises(IsADirectoryError, match=rf"--input '{folder}' is a folder; --input takes image files or glob"):
         demo.main(arguments)
     assert not (tmp_path / "out").exists()  # nothing drawn

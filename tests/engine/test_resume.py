@@ -11,16 +11,25 @@ from detectron2.data import build_detection_train_loader, get_detection_dataset_
 from detectron2.data.samplers import TrainingSampler
 from detectron2.engine import HookBase
 from detectron2.utils.env import seed_all_rng
-
 from shrunk_training import MIXED_NORMS, shrunk_cfg
+
 from sn_detection.engine import Trainer
 from sn_detection.engine.resume import BatchStreamSampler, build_train_loader
 
 MAX_ITER = 4
 CHECKPOINT_PERIOD = 2  # the interrupted run stops right after the checkpoint of iteration 1
 # The batch average runs every 2 iterations, so also before the checkpoint the resumed run starts from.
-RESUME_OPTS = [*MIXED_NORMS, "SEED", "3", "SOLVER.MAX_ITER", str(MAX_ITER), "TEST.EVAL_PERIOD", "2",
-               "SOLVER.CHECKPOINT_PERIOD", str(CHECKPOINT_PERIOD)]  # fmt: skip
+RESUME_OPTS = [
+    *MIXED_NORMS,
+    "SEED",
+    "3",
+    "SOLVER.MAX_ITER",
+    str(MAX_ITER),
+    "TEST.EVAL_PERIOD",
+    "2",
+    "SOLVER.CHECKPOINT_PERIOD",
+    str(CHECKPOINT_PERIOD),
+]
 
 
 class Interrupted(Exception):

@@ -9,9 +9,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
-
 import shrunk_training
+import torch
 
 from sn_detection.engine.launch import launch_processes
 
@@ -97,10 +96,22 @@ def assert_same_evaluation(eval_only_dir, training_dir):
 def test_eval_only_without_trained_weights_is_refused(tmp_path):
     """detectron2 would evaluate the untrained model ("No checkpoint found. Initializing model from scratch")."""
     result = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "train_net.py"), "--config-file", shrunk_training.DEMO_CONFIG,
-         "--eval-only", *shrunk_training.SHRINK, *EVALUATED, "OUTPUT_DIR", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(REPO, "tools", "train_net.py"),
+            "--config-file",
+            shrunk_training.DEMO_CONFIG,
+            "--eval-only",
+            *shrunk_training.SHRINK,
+            *EVALUATED,
+            "OUTPUT_DIR",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode != 0
     assert "there are no weights to evaluate: MODEL.WEIGHTS is empty" in result.stderr
     assert not (tmp_path / "eval_results.json").exists()
@@ -114,9 +125,7 @@ def extended_and_uninterrupted(tmp_path_factory):
     common = [*shrunk_training.MIXED_NORMS, "TEST.EVAL_PERIOD", "3", "SEED", "4"]
     extended, uninterrupted = tmp_path_factory.mktemp("extended"), tmp_path_factory.mktemp("uninterrupted")
     shrunk_training.train_shrunk(*common, "SOLVER.MAX_ITER", "3", "OUTPUT_DIR", str(extended))
-    log = shrunk_training.train_shrunk(
-        *common, "SOLVER.MAX_ITER", "5", "OUTPUT_DIR", str(extended), flags=["--resume"]
-    )
+    log = shrunk_training.train_shrunk(*common, "SOLVER.MAX_ITER", "5", "OUTPUT_DIR", str(extended), flags=["--resume"])
     assert "Starting training from iteration 3" in log
     shrunk_training.train_shrunk(*common, "SOLVER.MAX_ITER", "5", "OUTPUT_DIR", str(uninterrupted))
     return extended, uninterrupted
@@ -147,13 +156,22 @@ def test_two_processes_on_the_cpu_evaluate_the_model_they_save(tmp_path):
     ]  # fmt: skip
     training = [*norms, "SOLVER.IMS_PER_BATCH", "4", "SOLVER.MAX_ITER", "2", *EVALUATED]
     log = shrunk_training.train_shrunk(
-        *training, "OUTPUT_DIR", str(tmp_path / "train"), flags=["--num-gpus", "2", "--dist-url", "auto"],
+        *training,
+        "OUTPUT_DIR",
+        str(tmp_path / "train"),
+        flags=["--num-gpus", "2", "--dist-url", "auto"],
         env={"CUDA_VISIBLE_DEVICES": ""},  # the processes run on the CPU, also on a machine with one GPU
     )
     assert "World size: 2" in log
     assert "Final results on sn_shapes_val: bbox AP" in log
-    shrunk_training.train_shrunk(*training, "MODEL.WEIGHTS", str(tmp_path / "train" / "model_final.pth"),
-                                 "OUTPUT_DIR", str(tmp_path / "eval"), flags=["--eval-only"])  # fmt: skip
+    shrunk_training.train_shrunk(
+        *training,
+        "MODEL.WEIGHTS",
+        str(tmp_path / "train" / "model_final.pth"),
+        "OUTPUT_DIR",
+        str(tmp_path / "eval"),
+        flags=["--eval-only"],
+    )
     assert_same_evaluation(str(tmp_path / "eval"), str(tmp_path / "train"))
     model = torch.load(tmp_path / "train" / "model_final.pth")["model"]
     statistics = [value for key, value in model.items() if key.endswith(("running_mean", "running_var"))]

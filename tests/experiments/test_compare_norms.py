@@ -12,6 +12,7 @@ import time
 
 import pytest
 import yaml
+from tiny_pretraining import pretrain_killed_at, tiny_pretrain_keys
 
 from sn_detection.engine.launch import load_cfg
 from sn_detection.engine.trainer import RESULTS_FILE
@@ -24,7 +25,6 @@ from sn_detection.experiments.compare_norms.plan import Setting, parse_setting, 
 from sn_detection.experiments.compare_norms.runs import read_record
 from sn_detection.experiments.jobs import child_environment, code_version
 from sn_detection.pretraining import cache as pretraining_cache
-from tiny_pretraining import pretrain_killed_at, tiny_pretrain_keys
 
 CONFIG = compare_plan.DEFAULT_CONFIG
 # Few iterations of a shrunk model, and an evaluation that takes seconds.
@@ -150,8 +150,13 @@ def test_tiny_sweep_writes_its_outputs_and_resumes(tmp_path, train_net_calls):
     with open(output_dir / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(row["kind"], row["setting"]) for row in rows] == [
-        ("run", "GN"), ("run", "BN/GN"), ("mean", "GN"), ("std", "GN"), ("mean", "BN/GN"), ("std", "BN/GN"),
-    ]  # fmt: skip
+        ("run", "GN"),
+        ("run", "BN/GN"),
+        ("mean", "GN"),
+        ("std", "GN"),
+        ("mean", "BN/GN"),
+        ("std", "BN/GN"),
+    ]
     assert float(rows[0]["wall_s"]) > 0 and float(rows[0]["iterations"]) == 2
     for name in ("ap.png", "loss_curves.png"):
         assert (output_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -203,7 +208,9 @@ def test_jobs_run_at_once_on_their_share_of_the_threads(tmp_path, monkeypatch):
 
     monkeypatch.setattr(compare_run.subprocess, "call", timed_call)
     cfg = load_cfg(CONFIG, [])
-    planned = plan_runs(cfg, CONFIG, [Setting("GN", "GN"), Setting("SN", "SN"), Setting("BN", "BN")], [1], str(tmp_path))
+    planned = plan_runs(
+        cfg, CONFIG, [Setting("GN", "GN"), Setting("SN", "SN"), Setting("BN", "BN")], [1], str(tmp_path)
+    )
     # each fails after its interpreter has started (an unknown config key): seconds, long enough to overlap
     broken = [dataclasses.replace(run, train_args=(*run.train_args, "MODEL.NO_SUCH_KEY", "1")) for run in planned]
     assert compare_run.run_sweep(broken, jobs=2) == broken
@@ -259,15 +266,35 @@ def test_tiny_finetune_sweep_pretrains_each_backbone_once_and_finetunes_from_it(
         "PRETRAIN.MAX_ITER", "2", "PRETRAIN.WARMUP_ITERS", "1", "PRETRAIN.NUM_WORKERS", "0",
         "PRETRAIN.BATCH_AVERAGE_BATCHES", "4",
     ]  # fmt: skip
-    arguments = ["--finetune", "--config-file", CONFIG, "--settings", "FrozenBN/GN", "SN", "--seeds", "3",
-                 "--iters", "2", "--batch-average-batches", "1", "--output-dir", str(tmp_path / "sweep"),
-                 *TINY, *pretraining, "MODEL.BACKBONE.FREEZE_AT", "2"]  # fmt: skip
+    arguments = [
+        "--finetune",
+        "--config-file",
+        CONFIG,
+        "--settings",
+        "FrozenBN/GN",
+        "SN",
+        "--seeds",
+        "3",
+        "--iters",
+        "2",
+        "--batch-average-batches",
+        "1",
+        "--output-dir",
+        str(tmp_path / "sweep"),
+        *TINY,
+        *pretraining,
+        "MODEL.BACKBONE.FREEZE_AT",
+        "2",
+    ]
     # the plan first: nothing made, nothing run
     assert compare_norms.main(["--plan-only", *arguments]) == 0
     assert train_net_calls == [] and not (tmp_path / "backbones").exists()
     plan = capsys.readouterr().out
     assert "Sweep: 2 setting(s) x 1 seed(s) = 2 runs of 2 iterations; 0 done, 2 to run, --jobs 1." in plan
-    assert "First 2 backbone(s) not in the cache are pretrained" in plan and "  SN, SEED 1, 2 iterations: unknown (no cached SN backbone" in plan
+    assert (
+        "First 2 backbone(s) not in the cache are pretrained" in plan
+        and "  SN, SEED 1, 2 iterations: unknown (no cached SN backbone" in plan
+    )
     assert "Estimated wall time of the 2 run(s) to run: unknown (known once a run of this sweep has finished)" in plan
 
     assert compare_norms.main(arguments) == 0
@@ -282,8 +309,10 @@ def test_tiny_finetune_sweep_pretrains_each_backbone_once_and_finetunes_from_it(
         assert f"Loading from {weights}" in log and "backbone.fpn_lateral2" in missing and "bottom_up" not in missing
     table = (tmp_path / "sweep" / "results.md").read_text()
     assert "finetuned (stages up to res2 frozen) from a ResNet-18 pretrained" in table
-    top1 = {norm: json.loads((tmp_path / "backbones" / name / "results.json").read_text())["val_top1"]
-            for norm, name in zip(("BN", "SN"), backbones)}  # fmt: skip
+    top1 = {
+        norm: json.loads((tmp_path / "backbones" / name / "results.json").read_text())["val_top1"]
+        for norm, name in zip(("BN", "SN"), backbones)
+    }
     assert f"| FrozenBN/GN | FrozenBN | GN | – (none) | 1 | {top1['BN']:.1f} % |" in table
     assert f"| SN | SN | SN | batch average (1) | 1 | {top1['SN']:.1f} % |" in table
 
@@ -300,17 +329,35 @@ def test_tiny_finetune_sweep_pretrains_each_backbone_once_and_finetunes_from_it(
     assert train_net_calls == []
 
 
-def test_a_sweep_killed_while_pretraining_a_backbone_resumes_it(tmp_path, train_net_calls, tiny_classification_set,
-                                                                monkeypatch, capsys):  # fmt: skip
+def test_a_sweep_killed_while_pretraining_a_backbone_resumes_it(
+    tmp_path, train_net_calls, tiny_classification_set, monkeypatch, capsys
+):
     """The backbone trains as a backbone job in the sweep's folder, checkpointed: a sweep killed there
     continues the backbone from its checkpoint, and the work folder goes once the backbone is cached."""
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
     pretraining = tiny_pretrain_keys(tiny_classification_set)
     sweep = tmp_path / "sweep"
-    arguments = ["--finetune", "--config-file", CONFIG, "--settings", "SN", "--seeds", "3", "--iters", "1",
-                 "--batch-average-batches", "1", "--output-dir", str(sweep), *TINY, *pretraining]  # fmt: skip
+    arguments = [
+        "--finetune",
+        "--config-file",
+        CONFIG,
+        "--settings",
+        "SN",
+        "--seeds",
+        "3",
+        "--iters",
+        "1",
+        "--batch-average-batches",
+        "1",
+        "--output-dir",
+        str(sweep),
+        *TINY,
+        *pretraining,
+    ]
     config = compare_plan.pretraining_configs(load_cfg(CONFIG, [*TINY, *pretraining]), [Setting("SN", "SN")])["SN"]
-    folder = sweep / compare_plan.BACKBONE_WORK_FOLDER / os.path.basename(pretraining_cache.cached_backbone_folder(config))
+    folder = (
+        sweep / compare_plan.BACKBONE_WORK_FOLDER / os.path.basename(pretraining_cache.cached_backbone_folder(config))
+    )
 
     # the sweep was killed at the backbone's iteration 2, after its checkpoint at iteration 1
     pretrain_killed_at(monkeypatch, config, 2, resume=True, output_dir=str(folder / "training"))
@@ -324,12 +371,29 @@ def test_a_sweep_killed_while_pretraining_a_backbone_resumes_it(tmp_path, train_
     assert len(train_net_calls) == 1 and pretraining_cache.cached_backbone_path(config) in train_net_calls[0]
 
 
-def test_runs_whose_backbone_failed_are_left_out_and_the_others_run(tmp_path, train_net_calls, tiny_classification_set,
-                                                                   monkeypatch):  # fmt: skip
+def test_runs_whose_backbone_failed_are_left_out_and_the_others_run(
+    tmp_path, train_net_calls, tiny_classification_set, monkeypatch
+):
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
     pretraining = [*tiny_pretrain_keys(tiny_classification_set), "PRETRAIN.MAX_ITER", "2"]
-    arguments = ["--finetune", "--config-file", CONFIG, "--settings", "GN", "SN", "--seeds", "3", "--iters", "1",
-                 "--batch-average-batches", "1", "--output-dir", str(tmp_path / "sweep"), *TINY, *pretraining]  # fmt: skip
+    arguments = [
+        "--finetune",
+        "--config-file",
+        CONFIG,
+        "--settings",
+        "GN",
+        "SN",
+        "--seeds",
+        "3",
+        "--iters",
+        "1",
+        "--batch-average-batches",
+        "1",
+        "--output-dir",
+        str(tmp_path / "sweep"),
+        *TINY,
+        *pretraining,
+    ]
     make = compare_norms.make_backbones
 
     def sn_fails(configs, *args, **kwargs):  # GN's backbone is made, SN's pretraining fails
@@ -364,20 +428,33 @@ def test_backbone_seeds_pretrain_a_backbone_per_seed_the_configs_seed_the_grids(
     # the sweep plans from them, and its table says which spread it shows
     planned = {}
     original = compare_norms.plan_runs
-    monkeypatch.setattr(compare_norms, "plan_runs", lambda *a, **kw: planned.update(backbones=a[8]) or original(*a, **kw))
+    monkeypatch.setattr(
+        compare_norms, "plan_runs", lambda *a, **kw: planned.update(backbones=a[8]) or original(*a, **kw)
+    )
     common = ["--finetune", "--settings", "SN", "--seeds", *map(str, seeds[:2]), "--report-only"]
     for flag, expected in (([], shared), (["--backbone-seeds"], own)):
         assert compare_norms.main([*common, *flag, "--output-dir", str(tmp_path / f"sweep{len(flag)}")]) == 0
         assert planned["backbones"] == {("SN", seed): path(expected["SN", seed]) for seed in seeds[:2]}
-    runs = plan_runs(cfg, compare_plan.DEFAULT_FINETUNE_CONFIG, settings[2:], seeds[:1], str(tmp_path),
-                     backbones={("SN", seeds[0]): "backbone.pth"})  # fmt: skip
+    runs = plan_runs(
+        cfg,
+        compare_plan.DEFAULT_FINETUNE_CONFIG,
+        settings[2:],
+        seeds[:1],
+        str(tmp_path),
+        backbones={("SN", seeds[0]): "backbone.pth"},
+    )
     assert "(`--backbone-seeds`: the spread includes the backbone's draw), on" in compare_report.describe(
-        cfg, CONFIG, runs, backbone_seeds=True)  # fmt: skip
+        cfg, CONFIG, runs, backbone_seeds=True
+    )
     shared_text = compare_report.describe(cfg, CONFIG, runs)
     assert f"pretrained with SEED {cfg.SEED} (the spread is the finetuning's only), on" in shared_text
     assert shared_text.startswith("### Norm settings compared on this machine (`tools/compare_norms.py --finetune`")
-    from_grid = compare_report.describe(cfg, CONFIG, runs, backbones=("grid/best.json", {"SN": {"PRETRAIN.BASE_LR": 0.2}}))
-    assert from_grid.startswith("### Norm settings finetuned from the backbones of `best.json` (`tools/compare_norms.py")
+    from_grid = compare_report.describe(
+        cfg, CONFIG, runs, backbones=("grid/best.json", {"SN": {"PRETRAIN.BASE_LR": 0.2}})
+    )
+    assert from_grid.startswith(
+        "### Norm settings finetuned from the backbones of `best.json` (`tools/compare_norms.py"
+    )
     assert "its PRETRAIN setting in `grid/best.json` (`tools/pretrain_grid.py`: SN: PRETRAIN.BASE_LR 0.2)" in from_grid
     with pytest.raises(SystemExit):
         compare_norms.parse_args(["--backbone-seeds"])

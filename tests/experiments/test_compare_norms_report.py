@@ -13,14 +13,29 @@ from sn_detection.experiments.compare_norms import plots, report
 from sn_detection.experiments.compare_norms.runs import RunResult, loss_curve, read_result, write_record
 
 
-def result(setting, seed, box_ap, mask_ap, batch_average=0, wall_s=100.0, backbone_top1=math.nan, weights=None,
-           code=("git a",)):  # fmt: skip
+def result(
+    setting, seed, box_ap, mask_ap, batch_average=0, wall_s=100.0, backbone_top1=math.nan, weights=None, code=("git a",)
+):
     backbone, _, head = setting.partition("/")
     metrics = dict.fromkeys(("box_AP50", "box_AP75", "mask_AP50", "mask_AP75"), math.nan)
     metrics.update(box_AP=box_ap, mask_AP=mask_ap)
     metrics.update(box_AP50=2 * box_ap, mask_AP50=2 * mask_ap)
-    return RunResult(setting, backbone, head or backbone, seed, 400, batch_average, metrics, wall_s, 0.25, 1.5, "x",
-                     backbone_top1, weights, code=code)  # fmt: skip
+    return RunResult(
+        setting,
+        backbone,
+        head or backbone,
+        seed,
+        400,
+        batch_average,
+        metrics,
+        wall_s,
+        0.25,
+        1.5,
+        "x",
+        backbone_top1,
+        weights,
+        code=code,
+    )
 
 
 RESULTS = [
@@ -66,13 +81,17 @@ def test_markdown_table():
 
 def test_the_backbone_top1_column_is_there_where_a_backbone_is_known():
     known = [
-        *(result("SN", seed, 10.0, 8.0, backbone_top1=55.58333333333333) for seed in (1, 2, 3)),  # one backbone: one figure
+        *(
+            result("SN", seed, 10.0, 8.0, backbone_top1=55.58333333333333) for seed in (1, 2, 3)
+        ),  # one backbone: one figure
         result("GN", 1, 7.0, 6.5, backbone_top1=60.0),  # a backbone per seed: its spread
         result("GN", 2, 9.0, 7.5, backbone_top1=64.0),
         result("BN", 1, 5.0, 4.0),  # trained from scratch
     ]
     lines = report.markdown_table(report.summarize(known, ["SN", "GN", "BN"])).splitlines()
-    assert lines[0].startswith("| setting | backbone | FPN + heads | test statistics | runs | backbone top-1 | box AP |")
+    assert lines[0].startswith(
+        "| setting | backbone | FPN + heads | test statistics | runs | backbone top-1 | box AP |"
+    )
     assert [line.split(" | ")[5] for line in lines[2:]] == ["55.6 %", "62.0 ± 2.8 %", "–"]
     assert "backbone top-1" not in report.markdown_table(report.summarize(RESULTS, ["GN"]))
     assert "backbone iterations" not in "\n".join(lines)
@@ -80,10 +99,12 @@ def test_the_backbone_top1_column_is_there_where_a_backbone_is_known():
 
 def test_the_backbone_iterations_column_is_there_where_a_backbone_stopped_at_a_top1():
     stopped = [
-        *(dataclasses.replace(result("SN", seed, 10.0, 8.0, backbone_top1=52.0), backbone_iterations=its)
-          for seed, its in ((1, 240.0), (2, 360.0))),
+        *(
+            dataclasses.replace(result("SN", seed, 10.0, 8.0, backbone_top1=52.0), backbone_iterations=its)
+            for seed, its in ((1, 240.0), (2, 360.0))
+        ),
         result("GN", 1, 7.0, 6.5, backbone_top1=60.0),  # a backbone that trained its schedule
-    ]  # fmt: skip
+    ]
     lines = report.markdown_table(report.summarize(stopped, ["SN", "GN"])).splitlines()
     assert "| runs | backbone top-1 | backbone iterations | box AP |" in lines[0]
     assert [line.split(" | ")[6] for line in lines[2:]] == ["300 ± 85", "–"]
@@ -92,16 +113,25 @@ def test_the_backbone_iterations_column_is_there_where_a_backbone_stopped_at_a_t
 def test_the_table_says_where_a_backbone_never_reached_its_stop():
     """A backbone that never reached its PRETRAIN.STOP_TOP1 trained its whole schedule: its iterations are
     not those of that top-1, and the table says how many of a setting's backbones were short of it."""
+
     def stopped(setting, seed, its, short):
         run = result(setting, seed, 10.0, 8.0, backbone_top1=52.0)
         return dataclasses.replace(run, backbone_iterations=its, backbone_short_of_stop=short)
 
-    runs = [stopped("SN", 1, 480.0, 0.0), stopped("SN", 2, 480.0, 0.0),
-            stopped("BN", 1, 720.0, 0.0), stopped("BN", 2, 840.0, 1.0), stopped("BN", 3, 840.0, 1.0),
-            stopped("MGN", 1, 840.0, 1.0)]  # fmt: skip
+    runs = [
+        stopped("SN", 1, 480.0, 0.0),
+        stopped("SN", 2, 480.0, 0.0),
+        stopped("BN", 1, 720.0, 0.0),
+        stopped("BN", 2, 840.0, 1.0),
+        stopped("BN", 3, 840.0, 1.0),
+        stopped("MGN", 1, 840.0, 1.0),
+    ]
     lines = report.markdown_table(report.summarize(runs, ["SN", "BN", "MGN"])).splitlines()
     assert [line.split(" | ")[6] for line in lines[2:]] == [
-        "480 ± 0", "800 ± 69 (2 of 3 short of the top-1)", "840 (top-1 not reached)"]
+        "480 ± 0",
+        "800 ± 69 (2 of 3 short of the top-1)",
+        "840 (top-1 not reached)",
+    ]
 
 
 def test_settings_that_start_from_the_same_weights_are_compared_seed_by_seed(tmp_path):
@@ -128,13 +158,22 @@ def test_settings_that_start_from_the_same_weights_are_compared_seed_by_seed(tmp
     text = path.read_text()
     assert "#### Within a backbone" in text
     assert "| FrozenBN/SN − FrozenBN/- | 1, 2 | +4.0 ± 1.4 | +3.5 ± 0.7 | 2 of 2 | 2 of 2 |" in text
-    report.write_markdown(str(path), "What was run.", report.summarize(RESULTS, ["SN", "GN"]), [],
-                          report.within_backbone_differences(RESULTS, ["SN", "GN"]))  # fmt: skip
+    report.write_markdown(
+        str(path),
+        "What was run.",
+        report.summarize(RESULTS, ["SN", "GN"]),
+        [],
+        report.within_backbone_differences(RESULTS, ["SN", "GN"]),
+    )
     assert "Within a backbone" not in path.read_text()  # trained from scratch: nothing shared
 
     # a run without any detection has NaN AP: its difference is neither ahead nor behind
-    blank = [result("FrozenBN/-", 1, 20.0, 19.0, weights="w1"), result("FrozenBN/SN", 1, math.nan, math.nan, weights="w1"),
-             result("FrozenBN/-", 2, 14.0, 13.0, weights="w2"), result("FrozenBN/SN", 2, 17.0, 12.0, weights="w2")]  # fmt: skip
+    blank = [
+        result("FrozenBN/-", 1, 20.0, 19.0, weights="w1"),
+        result("FrozenBN/SN", 1, math.nan, math.nan, weights="w1"),
+        result("FrozenBN/-", 2, 14.0, 13.0, weights="w2"),
+        result("FrozenBN/SN", 2, 17.0, 12.0, weights="w2"),
+    ]
     table = report.differences_table(report.within_backbone_differences(blank, order))
     assert "| FrozenBN/SN − FrozenBN/- | 1, 2 | – | – | 1 of 1 | 0 of 1 |" in table
 
@@ -149,8 +188,11 @@ def test_markdown_file_names_unfinished_runs(tmp_path):
 
 def test_the_code_the_runs_ran_is_one_version_or_each_with_its_runs():
     assert report.code_sentence(RESULTS) == "*Code*: every run on git a."
-    mixed = [result("SN", 2, 1.0, 1.0, code=("git b",)), result("SN", 1, 1.0, 1.0, code=("not recorded", "git a")),
-             result("GN", 1, 1.0, 1.0)]  # fmt: skip
+    mixed = [
+        result("SN", 2, 1.0, 1.0, code=("git b",)),
+        result("SN", 1, 1.0, 1.0, code=("not recorded", "git a")),
+        result("GN", 1, 1.0, 1.0),
+    ]
     sentence = report.code_sentence(mixed)
     assert sentence.startswith("*Code* (of each run's attempts;")
     assert sentence.endswith(": git a (GN seed 1, SN seed 1); not recorded (SN seed 1); git b (SN seed 2).")
@@ -185,8 +227,19 @@ def test_plots_are_written(tmp_path):
 
 
 def write_run(folder, metrics_rows, attempts, train_args=()):
-    write_record(str(folder), {"setting": "SN/GN", "backbone": "SN", "head": "GN", "seed": 3, "iterations": 40,
-                               "batch_average": 20, "train_args": list(train_args), "attempts": attempts})  # fmt: skip
+    write_record(
+        str(folder),
+        {
+            "setting": "SN/GN",
+            "backbone": "SN",
+            "head": "GN",
+            "seed": 3,
+            "iterations": 40,
+            "batch_average": 20,
+            "train_args": list(train_args),
+            "attempts": attempts,
+        },
+    )
     with open(folder / "metrics.json", "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in metrics_rows)
 
@@ -226,8 +279,9 @@ def test_a_run_folder_is_read(tmp_path):
     assert math.isnan(read_result(str(tmp_path), RESULTS_FILE, "pretrained.json").backbone_short_of_stop)
     # reached at a periodic evaluation (it stopped), at the final one only (after its whole schedule), or not
     for reached, top1, short in ((True, 52.5, 0.0), (False, 52.5, 0.0), (False, 51.5, 1.0)):
-        (backbone / "pretrained.json").write_text(json.dumps(
-            {"val_top1": top1, "iterations": 360, "stop_top1": 52.0, "stop_top1_reached": reached}))
+        (backbone / "pretrained.json").write_text(
+            json.dumps({"val_top1": top1, "iterations": 360, "stop_top1": 52.0, "stop_top1_reached": reached})
+        )
         stopped = read_result(str(tmp_path), RESULTS_FILE, "pretrained.json")
         assert stopped.backbone_iterations == 360 and stopped.backbone_short_of_stop == short
     assert run.weights == str(backbone / "backbone.pth")  # what pairs it with runs from the same backbone

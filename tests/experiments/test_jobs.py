@@ -16,11 +16,26 @@ def test_a_backbone_job_refuses_a_config_whose_cache_folder_is_not_the_planned(t
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
     work = tmp_path / "job" / jobs.WORK_FOLDER
     planned = str(tmp_path / "cache" / "resnet18-BN-000000000000")
-    arguments = ["--work-dir", str(work), "--expect-cache", planned, "--norm", "BN", "--config-file",
-                 DEFAULT_FINETUNE_CONFIG, "PRETRAIN.BASE_LR", "0.1"]  # fmt: skip
+    arguments = [
+        "--work-dir",
+        str(work),
+        "--expect-cache",
+        planned,
+        "--norm",
+        "BN",
+        "--config-file",
+        DEFAULT_FINETUNE_CONFIG,
+        "PRETRAIN.BASE_LR",
+        "0.1",
+    ]
     # as the tools start it: a subprocess (whose loggers are its own)
-    job = subprocess.run([sys.executable, *jobs.JOB_MODULE, *arguments], env=jobs.child_environment(),
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    job = subprocess.run(
+        [sys.executable, *jobs.JOB_MODULE, *arguments],
+        env=jobs.child_environment(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert job.returncode != 0
     assert re.search(r"the config's cache folder .*resnet18-BN-\w+ is not the planned .*000000000000", job.stderr)
     assert not work.exists() and not (tmp_path / "cache").exists()  # nothing trained, nothing cached
@@ -51,10 +66,16 @@ def test_every_attempt_is_recorded_with_its_threads_and_a_cut_off_one_up_to_its_
 
 
 def git(folder, *args):
-    environment = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-                   "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
-    return subprocess.run(["git", "-C", str(folder), *args], env=environment, check=True, capture_output=True,
-                          text=True).stdout.strip()  # fmt: skip
+    environment = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
+    return subprocess.run(
+        ["git", "-C", str(folder), *args], env=environment, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def test_the_code_version_is_the_checkouts_commit_and_whether_its_tracked_files_changed(tmp_path):
@@ -84,8 +105,15 @@ def test_run_jobs_returns_the_failed_in_plan_order_and_checks_each_is_done():
         ran.append(job)
         return job != "b"  # "b" exits with an error; "c" exits well but makes nothing
 
-    failed = jobs.run_jobs(["a", "b", "c", "d"], run, 2, done=lambda job: job != "c", name=str, log_of=str,
-                           after_each=lambda: reported.append(len(ran)))  # fmt: skip
+    failed = jobs.run_jobs(
+        ["a", "b", "c", "d"],
+        run,
+        2,
+        done=lambda job: job != "c",
+        name=str,
+        log_of=str,
+        after_each=lambda: reported.append(len(ran)),
+    )
     assert failed == ["b", "c"] and sorted(ran) == ["a", "b", "c", "d"] and len(reported) == 4
 
 

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 
 import pytest
+from tiny_pretraining import pretrain_killed_at, tiny_pretrain_keys
 
 from sn_detection.engine.launch import load_cfg
 from sn_detection.experiments import backbones, jobs
@@ -32,24 +33,26 @@ from sn_detection.pretraining import train as pretraining_train
 from sn_detection.pretraining.cache import cached_backbone, cached_backbone_folder, cached_backbone_path
 from sn_detection.pretraining.top1_stop import top1_curve
 from sn_detection.pretraining.train import pretrain
-from tiny_pretraining import pretrain_killed_at, tiny_pretrain_keys
 
 CONFIG = grid_plan.DEFAULT_CONFIG
 
 
-@pytest.mark.parametrize("arguments, problem", [
-    (["--norms", "BN,XN"], "--norms: unknown norm(s) ['XN']; valid norms: ["),
-    (["--norms", ","], "--norms is empty"),
-    (["--lrs", ""], "--lrs is empty: the grid needs at least one value"),
-    (["--lrs", "0.1,-0.2"], "--lrs: -0.2 is invalid: each value must be a learning rate > 0"),
-    (["--lrs", "0.1,0"], "--lrs: 0 is invalid: each value must be a learning rate > 0"),
-    (["--lrs", "0.1,0.1"], "--lrs: values repeat"),
-    (["--lrs", "fast"], "--lrs: 'fast' is not a number"),
-    (["--warmups", "-1"], "--warmups: -1 is invalid: each value must be an int >= 0"),
-    (["--jobs", "0"], "--jobs must be >= 1, got 0"),
-    (["--target-top1", "0"], "--target-top1 must be a top-1 in (0, 100] %"),
-    (["--publish", os.path.join(CONFIG, "grid.md")], f"{CONFIG} is a file, not a folder"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "arguments, problem",
+    [
+        (["--norms", "BN,XN"], "--norms: unknown norm(s) ['XN']; valid norms: ["),
+        (["--norms", ","], "--norms is empty"),
+        (["--lrs", ""], "--lrs is empty: the grid needs at least one value"),
+        (["--lrs", "0.1,-0.2"], "--lrs: -0.2 is invalid: each value must be a learning rate > 0"),
+        (["--lrs", "0.1,0"], "--lrs: 0 is invalid: each value must be a learning rate > 0"),
+        (["--lrs", "0.1,0.1"], "--lrs: values repeat"),
+        (["--lrs", "fast"], "--lrs: 'fast' is not a number"),
+        (["--warmups", "-1"], "--warmups: -1 is invalid: each value must be an int >= 0"),
+        (["--jobs", "0"], "--jobs must be >= 1, got 0"),
+        (["--target-top1", "0"], "--target-top1 must be a top-1 in (0, 100] %"),
+        (["--publish", os.path.join(CONFIG, "grid.md")], f"{CONFIG} is a file, not a folder"),
+    ],
+)
 def test_bad_input_is_refused_before_anything_runs(arguments, problem, capsys):
     with pytest.raises(SystemExit):
         pretrain_grid.parse_args(arguments)
@@ -66,8 +69,12 @@ def test_frozen_bn_is_the_bn_cell_and_cells_are_norms_then_settings():
     args = pretrain_grid.parse_args(["--norms", "FrozenBN,SN,BN", "--lrs", "0.1,0.2", "--warmups", "0,40"])
     assert args.norms == ["BN", "SN"]
     cells = plan_cells(args.norms, args.lrs, args.warmups)
-    assert [cell.name for cell in cells[:4]] == ["BN-lr0.1-warmup0", "BN-lr0.1-warmup40", "BN-lr0.2-warmup0",
-                                                 "BN-lr0.2-warmup40"]  # fmt: skip
+    assert [cell.name for cell in cells[:4]] == [
+        "BN-lr0.1-warmup0",
+        "BN-lr0.1-warmup40",
+        "BN-lr0.2-warmup0",
+        "BN-lr0.2-warmup40",
+    ]
     assert cells[1].setting == "LR 0.1, warm-up 40" and len(cells) == 8
 
 
@@ -77,8 +84,10 @@ def test_the_grids_cells_are_the_backbones_the_finetune_sweep_asks_for(tmp_path,
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
     cfg = load_cfg(CONFIG, ["PRETRAIN.MAX_ITER", "30"])
     cells = {cell.name: cell for cell in plan_cells(["BN", "SN"], [0.1, cfg.PRETRAIN.BASE_LR], [0, 40])}
-    best = {"BN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.WARMUP_ITERS": 40},
-            "SN": {"PRETRAIN.BASE_LR": cfg.PRETRAIN.BASE_LR, "PRETRAIN.WARMUP_ITERS": 0}}  # fmt: skip
+    best = {
+        "BN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.WARMUP_ITERS": 40},
+        "SN": {"PRETRAIN.BASE_LR": cfg.PRETRAIN.BASE_LR, "PRETRAIN.WARMUP_ITERS": 0},
+    }
     settings = [compare_plan.parse_setting(s) for s in ("FrozenBN/GN", "BN", "SN")]
     configs = compare_plan.pretraining_configs(cfg, settings, best)
     paths = {norm: cached_backbone_path(config) for norm, config in configs.items()}
@@ -116,23 +125,34 @@ def test_backbones_needs_finetune_and_a_best_json(tmp_path, capsys):
 
 def test_stop_top1_puts_one_target_in_place_of_the_files(tmp_path, capsys):
     """--stop-top1 X: every norm's backbone of --backbones stops at X, its other PRETRAIN settings kept."""
-    (tmp_path / "equal.json").write_text(json.dumps({
-        "BN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_TOP1": 55.0, "PRETRAIN.EVAL_PERIOD": 120},
-        "GN": {"PRETRAIN.BASE_LR": 0.2, "PRETRAIN.EVAL_PERIOD": 120}}))  # fmt: skip
+    (tmp_path / "equal.json").write_text(
+        json.dumps(
+            {
+                "BN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_TOP1": 55.0, "PRETRAIN.EVAL_PERIOD": 120},
+                "GN": {"PRETRAIN.BASE_LR": 0.2, "PRETRAIN.EVAL_PERIOD": 120},
+            }
+        )
+    )
     common = ["--finetune", "--backbones", str(tmp_path / "equal.json")]
     args = compare_norms.parse_args([*common, "--stop-top1", "45"])
     assert args.backbone_settings == {
         "BN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_TOP1": 45.0, "PRETRAIN.EVAL_PERIOD": 120},
-        "GN": {"PRETRAIN.BASE_LR": 0.2, "PRETRAIN.EVAL_PERIOD": 120, "PRETRAIN.STOP_TOP1": 45.0}}  # fmt: skip
+        "GN": {"PRETRAIN.BASE_LR": 0.2, "PRETRAIN.EVAL_PERIOD": 120, "PRETRAIN.STOP_TOP1": 45.0},
+    }
     cfg = load_cfg(CONFIG, [])
-    configs = compare_plan.pretraining_configs(cfg, [parse_setting("FrozenBN/GN"), parse_setting("GN")],
-                                                args.backbone_settings)  # fmt: skip
+    configs = compare_plan.pretraining_configs(
+        cfg, [parse_setting("FrozenBN/GN"), parse_setting("GN")], args.backbone_settings
+    )
     assert {norm: (c.PRETRAIN.STOP_TOP1, c.PRETRAIN.BASE_LR) for norm, c in configs.items()} == {
-        "FrozenBN": (45.0, 0.1), "GN": (45.0, 0.2)}
-    runs = compare_plan.plan_runs(cfg, CONFIG, [parse_setting("GN")], [1], str(tmp_path / "sweep"),
-                                   backbones={("GN", 1): "backbone.pth"})  # fmt: skip
-    text = compare_report.describe(cfg, CONFIG, runs, (str(tmp_path / "equal.json"), args.backbone_settings),
-                                  stop_top1=args.stop_top1)  # fmt: skip
+        "FrozenBN": (45.0, 0.1),
+        "GN": (45.0, 0.2),
+    }
+    runs = compare_plan.plan_runs(
+        cfg, CONFIG, [parse_setting("GN")], [1], str(tmp_path / "sweep"), backbones={("GN", 1): "backbone.pth"}
+    )
+    text = compare_report.describe(
+        cfg, CONFIG, runs, (str(tmp_path / "equal.json"), args.backbone_settings), stop_top1=args.stop_top1
+    )
     assert text.startswith("### Norm settings finetuned from the backbones of `equal.json`, stopped at 45 % top-1")
     assert "its PRETRAIN.STOP_TOP1 replaced by `--stop-top1 45`" in text
     for arguments, problem in (
@@ -165,8 +185,20 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
     calls, call = [], subprocess.call
     monkeypatch.setattr(jobs.subprocess, "call", lambda command, **kw: calls.append(command) or call(command, **kw))
     output, published = tmp_path / "grid", tmp_path / "grid.md"
-    options = ["--norms", "BN,GN", "--lrs", "0.1,0.2", "--jobs", "2", "--target-top1", "1", "--output-dir", str(output),
-               "--publish", str(published)]  # fmt: skip
+    options = [
+        "--norms",
+        "BN,GN",
+        "--lrs",
+        "0.1,0.2",
+        "--jobs",
+        "2",
+        "--target-top1",
+        "1",
+        "--output-dir",
+        str(output),
+        "--publish",
+        str(published),
+    ]
     arguments = [*options, "--estimate-steps", "1", *tiny_pretrain_keys(tiny_classification_set)]
     assert pretrain_grid.main(arguments) == 0
     printed = capsys.readouterr().out
@@ -186,8 +218,12 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
     assert "Each cell is one run (SEED 1)" in table  # a reader is told what one draw per cell can and cannot show
     with open(output / "results.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [(row["norm"], row["setting"]) for row in rows] == [("BN", "LR 0.1"), ("BN", "LR 0.2"), ("GN", "LR 0.1"),
-                                                               ("GN", "LR 0.2")]  # fmt: skip
+    assert [(row["norm"], row["setting"]) for row in rows] == [
+        ("BN", "LR 0.1"),
+        ("BN", "LR 0.2"),
+        ("GN", "LR 0.1"),
+        ("GN", "LR 0.2"),
+    ]
     best = json.loads((output / "best.json").read_text())
     for norm in ("BN", "GN"):
         norm_rows = [row for row in rows if row["norm"] == norm]
@@ -215,7 +251,9 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
     for cell in (redone, killed):
         shutil.rmtree(cached_backbone_folder(cell_cfg(cfg, cell)))
 
-    pretrain_killed_at(monkeypatch, cell_cfg(cfg, killed), 2, output_dir=str(output / "cells" / killed.name / "training"))
+    pretrain_killed_at(
+        monkeypatch, cell_cfg(cfg, killed), 2, output_dir=str(output / "cells" / killed.name / "training")
+    )
     # and before that, a grid was killed with that cell: its attempt never saw its end
     record_path = output / "cells" / killed.name / "cell.json"
     record = json.loads(record_path.read_text())
@@ -230,7 +268,9 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
     assert sorted(command[command.index("--work-dir") + 1] for command in calls) == [
         str(output / "cells" / name / "training") for name in ("BN-lr0.1", "GN-lr0.2")
     ]
-    records = {cell.name: json.loads((output / "cells" / cell.name / "cell.json").read_text()) for cell in (redone, killed)}
+    records = {
+        cell.name: json.loads((output / "cells" / cell.name / "cell.json").read_text()) for cell in (redone, killed)
+    }
     assert [a["resumed"] for a in records["BN-lr0.1"]["attempts"]] == [False, False]
     assert [a["resumed"] for a in records["GN-lr0.2"]["attempts"]] == [False, False, True]
     assert [a.get("threads") for a in records["GN-lr0.2"]["attempts"]] == [1, None, 1]  # OMP_NUM_THREADS 1 / 2 jobs
@@ -248,14 +288,30 @@ def test_tiny_grid_runs_resumes_and_feeds_the_finetune_sweep(tmp_path, monkeypat
     # best.json feeds compare_norms --finetune --backbones: each setting from its norm's best backbone
     planned = {}
     original = compare_norms.plan_runs
-    monkeypatch.setattr(compare_norms, "plan_runs", lambda *a, **kw: planned.update(backbones=a[8]) or original(*a, **kw))
-    sweep = ["--finetune", "--backbones", str(output / "best.json"), "--settings", "FrozenBN/GN", "GN", "--report-only",
-             "--output-dir", str(tmp_path / "sweep"), *tiny_pretrain_keys(tiny_classification_set)]  # fmt: skip
+    monkeypatch.setattr(
+        compare_norms, "plan_runs", lambda *a, **kw: planned.update(backbones=a[8]) or original(*a, **kw)
+    )
+    sweep = [
+        "--finetune",
+        "--backbones",
+        str(output / "best.json"),
+        "--settings",
+        "FrozenBN/GN",
+        "GN",
+        "--report-only",
+        "--output-dir",
+        str(tmp_path / "sweep"),
+        *tiny_pretrain_keys(tiny_classification_set),
+    ]
     assert compare_norms.main(sweep) == 0
-    expected = {norm: cached_backbone_path(cell_cfg(cfg, Cell(norm, tuple(best[norm].items())))) for norm in ("BN", "GN")}
+    expected = {
+        norm: cached_backbone_path(cell_cfg(cfg, Cell(norm, tuple(best[norm].items())))) for norm in ("BN", "GN")
+    }
     seeds = backbones.DEFAULT_SEEDS  # each finetunes the same backbone: the grid's, of the config's SEED
-    assert planned["backbones"] == {**{("FrozenBN", seed): expected["BN"] for seed in seeds},
-                                    **{("GN", seed): expected["GN"] for seed in seeds}}  # fmt: skip
+    assert planned["backbones"] == {
+        **{("FrozenBN", seed): expected["BN"] for seed in seeds},
+        **{("GN", seed): expected["GN"] for seed in seeds},
+    }
     assert all(os.path.isfile(path) for path in planned["backbones"].values())
 
 
@@ -284,8 +340,12 @@ def test_the_table_shows_each_norms_best_setting_drawn_again(tmp_path, monkeypat
 
     # a norm with a cell still to run has no best yet: not in the table, the CSV or the JSON, as best.json
     partial = tmp_path / "partial"
-    assert pretrain_grid.main(["--norms", "GN", "--lrs", "0.1,0.2,0.4", "--report-only", "--output-dir", str(partial),
-                               *opts]) == 0  # fmt: skip
+    assert (
+        pretrain_grid.main(
+            ["--norms", "GN", "--lrs", "0.1,0.2,0.4", "--report-only", "--output-dir", str(partial), *opts]
+        )
+        == 0
+    )
     table = (partial / "results.md").read_text()
     assert re.search(r"\| GN \| 30\.0 % \([^)]*\) \| 40\.0 % \([^)]*\) \| – \|", table) and "(best)" not in table
     with open(partial / "results.csv") as f:
@@ -308,9 +368,18 @@ def test_a_cell_evaluated_only_at_its_end_bounds_its_first_reach():
     assert not grid_results.evaluated_throughout([(21, 40.0)], 20, 21)
     assert not grid_results.evaluated_throughout([(21, 40.0)], 0, 21)
     cell = Cell("SN", (("PRETRAIN.BASE_LR", 0.2),))
-    result = {"norm": "SN", "setting": cell.setting, "overrides": dict(cell.overrides), "val_top1": 40.0,
-              "iterations": 21, "wall_s": 60.0, "s_per_iter": 1.0, "top1_curve": [(21, 40.0)],
-              "evaluated_throughout": False, "iterations_to_target": 21}  # fmt: skip
+    result = {
+        "norm": "SN",
+        "setting": cell.setting,
+        "overrides": dict(cell.overrides),
+        "val_top1": 40.0,
+        "iterations": 21,
+        "wall_s": 60.0,
+        "s_per_iter": 1.0,
+        "top1_curve": [(21, 40.0)],
+        "evaluated_throughout": False,
+        "iterations_to_target": 21,
+    }
     table = grid_report.markdown("grid", [cell], {cell: result}, 35.0)
     assert "| SN | LR 0.2 (best) | 40.00 % | 21 | 60 s | 1.000 | ≤ 21 (evaluated at the end only) |" in table
     equal, _ = grid_results.equal_top1_cells([cell], {cell: result}, 35.0, 20)
@@ -322,7 +391,8 @@ def test_an_equal_eval_period_finer_than_the_logs_is_refused(capsys):
     with pytest.raises(SystemExit):
         pretrain_grid.main(["--equal-top1", "--equal-eval-period", "10", "--plan-only"])
     assert "--equal-eval-period must be >= 20 (metrics.json is written every 20 iterations), got 10" in (
-        capsys.readouterr().err)  # fmt: skip
+        capsys.readouterr().err
+    )
 
 
 def test_the_estimate_counts_the_iterations_a_cell_still_trains():
@@ -341,8 +411,17 @@ def test_the_estimate_counts_the_iterations_a_cell_still_trains():
 
 def test_pretrainings_own_metrics_give_the_curve(tmp_path, tiny_classification_set):
     """What pretraining logs: an evaluation every EVAL_PERIOD iterations and one at the end."""
-    opts = [*tiny_pretrain_keys(tiny_classification_set), "PRETRAIN.MAX_ITER", "21", "PRETRAIN.EVAL_PERIOD", "20",
-            "PRETRAIN.CHECKPOINT_PERIOD", "100", "PRETRAIN.BASE_LR", "0.01"]  # fmt: skip
+    opts = [
+        *tiny_pretrain_keys(tiny_classification_set),
+        "PRETRAIN.MAX_ITER",
+        "21",
+        "PRETRAIN.EVAL_PERIOD",
+        "20",
+        "PRETRAIN.CHECKPOINT_PERIOD",
+        "100",
+        "PRETRAIN.BASE_LR",
+        "0.01",
+    ]
     results = pretrain(load_cfg(CONFIG, opts), output_dir=str(tmp_path))
     curve = top1_curve(str(tmp_path / "metrics.json"), 21)
     assert [iterations for iterations, _ in curve] == [20, 21] and curve[-1][1] == results["val_top1"]
@@ -362,12 +441,22 @@ def scripted_top1_in_jobs(monkeypatch, folder, values):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
 
 
-def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_path, monkeypatch, capsys,
-                                                                           tiny_classification_set):
+def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(
+    tmp_path, monkeypatch, capsys, tiny_classification_set
+):
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    opts = [*tiny_pretrain_keys(tiny_classification_set), "PRETRAIN.MAX_ITER", "21", "PRETRAIN.EVAL_PERIOD", "20",
-            "PRETRAIN.CHECKPOINT_PERIOD", "100", "PRETRAIN.BASE_LR", "0.01"]  # fmt: skip
+    opts = [
+        *tiny_pretrain_keys(tiny_classification_set),
+        "PRETRAIN.MAX_ITER",
+        "21",
+        "PRETRAIN.EVAL_PERIOD",
+        "20",
+        "PRETRAIN.CHECKPOINT_PERIOD",
+        "100",
+        "PRETRAIN.BASE_LR",
+        "0.01",
+    ]
     cfg = load_cfg(CONFIG, opts)
     grid_cell = Cell("GN", (("PRETRAIN.BASE_LR", 0.1),))
     # the grid's only cell, made here with a known curve (30 % after 20 iterations, 40 % at the end): a cell
@@ -382,9 +471,22 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     output = tmp_path / "grid"
 
     def grid(target, *more_opts, publish=None):
-        options = ["--norms", "GN", "--lrs", "0.1", "--target-top1", str(target), "--equal-top1", "--output-dir",
-                   str(output), "--estimate-steps", "0", *(["--publish", str(publish)] if publish else []), *opts,
-                   *more_opts]  # fmt: skip
+        options = [
+            "--norms",
+            "GN",
+            "--lrs",
+            "0.1",
+            "--target-top1",
+            str(target),
+            "--equal-top1",
+            "--output-dir",
+            str(output),
+            "--estimate-steps",
+            "0",
+            *(["--publish", str(publish)] if publish else []),
+            *opts,
+            *more_opts,
+        ]
         assert pretrain_grid.main(options) == 0
         equal = json.loads((output / "equal_top1.json").read_text())
         return capsys.readouterr().out, (output / "results.md").read_text(), equal
@@ -395,7 +497,9 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     assert "0 for one made from the grid cell's run" in printed and len(calls) == 1
     assert equal == {"GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_TOP1": 35.0, "PRETRAIN.EVAL_PERIOD": 20}}
     # best.json: a draw of the best setting is evaluated as the cell was
-    assert json.loads((output / "best.json").read_text()) == {"GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.EVAL_PERIOD": 20}}
+    assert json.loads((output / "best.json").read_text()) == {
+        "GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.EVAL_PERIOD": 20}
+    }
     assert "| GN | LR 0.1 | 21 | 40.00 % | 40.00 % |" in table
     copy = cached_backbone_folder(cell_cfg(cfg, Cell("GN", tuple(equal["GN"].items()))))
     with open(os.path.join(copy, "results.json")) as f:
@@ -425,18 +529,31 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
         values = iter([30.0, 40.0])
         patch.setattr(pretraining_train, "top1", lambda *args: next(values))
         cached_backbone(cell_cfg(load_cfg(CONFIG, [*opts, *keep]), grid_cell))
-    (tmp_path / "stop28.json").write_text(json.dumps(
-        {"GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_TOP1": 28.0, "PRETRAIN.EVAL_PERIOD": 20}}))  # fmt: skip
-    sweep = ["--finetune", "--backbones", str(tmp_path / "stop28.json"), "--settings", "GN", "--plan-only",
-             "--output-dir", str(tmp_path / "sweep28"), *opts]  # fmt: skip
+    (tmp_path / "stop28.json").write_text(
+        json.dumps({"GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.STOP_TOP1": 28.0, "PRETRAIN.EVAL_PERIOD": 20}})
+    )
+    sweep = [
+        "--finetune",
+        "--backbones",
+        str(tmp_path / "stop28.json"),
+        "--settings",
+        "GN",
+        "--plan-only",
+        "--output-dir",
+        str(tmp_path / "sweep28"),
+        *opts,
+    ]
     assert compare_norms.main(sweep) == 0
-    assert ("  GN, SEED 1: made without training from the cached run it cuts short (top-1 28 % first reached after "
-            f"20 iterations): {cached_backbone_folder(cell_cfg(cfg, grid_cell))}") in capsys.readouterr().out
+    assert (
+        "  GN, SEED 1: made without training from the cached run it cuts short (top-1 28 % first reached after "
+        f"20 iterations): {cached_backbone_folder(cell_cfg(cfg, grid_cell))}"
+    ) in capsys.readouterr().out
     calls.clear()
     printed, table, equal = grid(28, *keep)
     assert "0 for one made from the grid cell's run" in printed
     assert [command[command.index("--work-dir") + 1] for command in calls] == [
-        str(output / "cells" / "GN-lr0.1-top1-28.0-eval20" / "training")]  # fmt: skip
+        str(output / "cells" / "GN-lr0.1-top1-28.0-eval20" / "training")
+    ]
     made = cached_backbone_folder(cell_cfg(cfg, Cell("GN", tuple(equal["GN"].items()))))
     with open(os.path.join(made, "results.json")) as f:
         results = json.load(f)
@@ -444,7 +561,8 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     assert results["same_run_as"] == cached_backbone_folder(cell_cfg(cfg, grid_cell))
     assert "| GN | LR 0.1 | 20 | 30.00 % |" in table
     assert json.loads((output / "best.json").read_text()) == {
-        "GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.EVAL_PERIOD": 20, "PRETRAIN.KEEP_EVALUATED_MODELS": True}}  # fmt: skip
+        "GN": {"PRETRAIN.BASE_LR": 0.1, "PRETRAIN.EVAL_PERIOD": 20, "PRETRAIN.KEEP_EVALUATED_MODELS": True}
+    }
 
     # not reached
     printed, table, equal = grid(50)
@@ -452,8 +570,19 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     assert "| GN | LR 0.1 | not reached in 21 | best 40.00 % |" in table
 
     # without --target-top1: the lowest best, rounded down, once every norm's cells are done
-    two_norms = ["--norms", "GN,BN", "--lrs", "0.1", "--equal-top1", "--output-dir", str(output), "--estimate-steps",
-                 "0", "--plan-only", *opts]  # fmt: skip
+    two_norms = [
+        "--norms",
+        "GN,BN",
+        "--lrs",
+        "0.1",
+        "--equal-top1",
+        "--output-dir",
+        str(output),
+        "--estimate-steps",
+        "0",
+        "--plan-only",
+        *opts,
+    ]
     assert pretrain_grid.main(two_norms) == 0
     assert "that target is known once every norm's cells are done" in capsys.readouterr().out
     with monkeypatch.context() as patch:
@@ -478,9 +607,20 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
         assert json.loads((published.parent / f"1_grid.{name}").read_text()) == json.loads((output / name).read_text())
     planned = {}
     original = compare_norms.plan_runs
-    monkeypatch.setattr(compare_norms, "plan_runs", lambda *a, **kw: planned.update(backbones=a[8]) or original(*a, **kw))
-    sweep = ["--finetune", "--backbones", str(published.parent / "1_grid.equal_top1.json"), "--settings", "GN",
-             "--report-only", "--output-dir", str(tmp_path / "sweep"), *opts]  # fmt: skip
+    monkeypatch.setattr(
+        compare_norms, "plan_runs", lambda *a, **kw: planned.update(backbones=a[8]) or original(*a, **kw)
+    )
+    sweep = [
+        "--finetune",
+        "--backbones",
+        str(published.parent / "1_grid.equal_top1.json"),
+        "--settings",
+        "GN",
+        "--report-only",
+        "--output-dir",
+        str(tmp_path / "sweep"),
+        *opts,
+    ]
     assert compare_norms.main(sweep) == 0
     assert planned["backbones"] == {("GN", seed): cached_backbone_path(stopped) for seed in backbones.DEFAULT_SEEDS}
 
@@ -496,10 +636,13 @@ def test_equal_top1_stops_each_norms_best_where_its_cell_reached_the_target(tmp_
     table = grid(25)[1]
     assert "| norm | setting | SEED 1 (the cell) | SEED 2 | SEED 3 | iterations, mean ± std |" in table
     assert "| GN | LR 0.1 | 20, 40.0 % | 21 (at the end), 27.0 % | 21 (not reached), 24.0 % | 20 ± 1 |" in table
-    assert json.loads((output / "results.json").read_text())["equal_top1_draws"] == {"GN": {
-        "1": {"iterations": 20, "val_top1": 40.0, "reached": True},
-        "2": {"iterations": 21, "val_top1": 27.0, "reached": True},  # at the end
-        "3": {"iterations": 21, "val_top1": 24.0, "reached": False}}}  # fmt: skip
+    assert json.loads((output / "results.json").read_text())["equal_top1_draws"] == {
+        "GN": {
+            "1": {"iterations": 20, "val_top1": 40.0, "reached": True},
+            "2": {"iterations": 21, "val_top1": 27.0, "reached": True},  # at the end
+            "3": {"iterations": 21, "val_top1": 24.0, "reached": False},
+        }
+    }
 
 
 def test_the_published_settings_files_are_the_published_grids_choice():

@@ -40,10 +40,13 @@ def run_processes(function, args, nprocs, timeout=120):
                     waited = f"in {timeout} s" if joined else f"joining the group in {START_TIMEOUT} s"
                     pytest.fail(f"{nprocs} processes running {function.__name__} did not finish {waited}\n{stacks}")
         except mp.ProcessRaisedException as error:
-            failures = [f"rank {rank}: {text}" for rank in range(nprocs) if (text := _read(_error_file(directory, rank)))]
+            failures = [
+                f"rank {rank}: {text}" for rank in range(nprocs) if (text := _read(_error_file(directory, rank)))
+            ]
             if failures:
-                raise RuntimeError(f"{function.__name__} failed in {len(failures)} of {nprocs} processes:\n"
-                                   + "\n".join(failures)) from error  # fmt: skip
+                raise RuntimeError(
+                    f"{function.__name__} failed in {len(failures)} of {nprocs} processes:\n" + "\n".join(failures)
+                ) from error
             raise
 
 

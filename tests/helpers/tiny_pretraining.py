@@ -19,12 +19,36 @@ CONFIG = os.path.join(REPO, "configs", "demo_compare_norms.yaml")
 
 def tiny_pretraining(data, output_dir, *opts):
     return [
-        "MODEL.RESNETS.NORM", "SN", "MODEL.FPN.NORM", "SN", "MODEL.ROI_BOX_HEAD.NORM", "SN",
-        "MODEL.ROI_MASK_HEAD.NORM", "SN", "PRETRAIN.DATA", str(data), "PRETRAIN.IMAGE_SIZE", "32",
-        "PRETRAIN.IMS_PER_BATCH", "4", "PRETRAIN.MAX_ITER", "4", "PRETRAIN.WARMUP_ITERS", "2",
-        "PRETRAIN.NUM_WORKERS", "0", "PRETRAIN.CHECKPOINT_PERIOD", "2", "PRETRAIN.OUTPUT_DIR", str(output_dir),
-        "PRETRAIN.BATCH_AVERAGE_BATCHES", "2", "SEED", "1", *opts,
-    ]  # fmt: skip
+        "MODEL.RESNETS.NORM",
+        "SN",
+        "MODEL.FPN.NORM",
+        "SN",
+        "MODEL.ROI_BOX_HEAD.NORM",
+        "SN",
+        "MODEL.ROI_MASK_HEAD.NORM",
+        "SN",
+        "PRETRAIN.DATA",
+        str(data),
+        "PRETRAIN.IMAGE_SIZE",
+        "32",
+        "PRETRAIN.IMS_PER_BATCH",
+        "4",
+        "PRETRAIN.MAX_ITER",
+        "4",
+        "PRETRAIN.WARMUP_ITERS",
+        "2",
+        "PRETRAIN.NUM_WORKERS",
+        "0",
+        "PRETRAIN.CHECKPOINT_PERIOD",
+        "2",
+        "PRETRAIN.OUTPUT_DIR",
+        str(output_dir),
+        "PRETRAIN.BATCH_AVERAGE_BATCHES",
+        "2",
+        "SEED",
+        "1",
+        *opts,
+    ]
 
 
 def tiny_pretrain_keys(data):

@@ -29,7 +29,13 @@ if int(triton.__version__.split(".")[0]) < 3:
 from sn_detection.layers import NORM_NAMES, build_norm, norm_options, switchable, switchable_kernels  # noqa: E402
 from sn_detection.layers.kernel_launch import observed_launches  # noqa: E402  (after the skips)
 
-_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float64: "*fp64", torch.int64: "*i64"}
+_TYPES = {
+    torch.float32: "*fp32",
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.float64: "*fp64",
+    torch.int64: "*i64",
+}
 
 
 def signature(kernel, args, meta):
@@ -47,11 +53,12 @@ def signature(kernel, args, meta):
         else:
             types[name] = "fp32"
     return {
-        "module": kernel.fn.__module__, "kernel": kernel.fn.__name__,
+        "module": kernel.fn.__module__,
+        "kernel": kernel.fn.__name__,
         "options": {"num_warps": meta.get("num_warps", 4), "enable_fp_fusion": meta.get("enable_fp_fusion", True)},
         "signature": {name: "constexpr" if name in constants else types[name] for name in names},
         "constants": constants,
-    }  # fmt: skip
+    }
 
 
 def recorded_launches():
@@ -65,8 +72,10 @@ def recorded_launches():
     with observed_launches(observe):
         # SyncSN's kernels for several processes too: one process stands in for them (its sums all-reduced
         # with nobody)
-        with mock.patch.object(switchable, "_several_processes", lambda: True), \
-                mock.patch.object(switchable_kernels.dist, "all_reduce", lambda tensor: None):
+        with (
+            mock.patch.object(switchable, "_several_processes", lambda: True),
+            mock.patch.object(switchable_kernels.dist, "all_reduce", lambda tensor: None),
+        ):
             for layout in (torch.contiguous_format, torch.channels_last):
                 x = torch.randn(2, 24, 3, 5).contiguous(memory_format=layout).requires_grad_()
                 layer = build_norm("SyncSN", 24)
@@ -120,7 +129,12 @@ def test_every_kernel_compiles_for_sm90_as_the_layers_launch_it():
     assert {"_moments_kernel", "_scale_shift_kernel", "_centered_dot_and_sum_kernel", "_grad_input_kernel"} <= kernels
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "-c", _COMPILE], input=json.dumps(launches), env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", _COMPILE],
+        input=json.dumps(launches),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if result.returncode != 0 and "No module named 'triton.backends" in result.stderr:
         pytest.skip("this Triton has no CUDA compiler backend")

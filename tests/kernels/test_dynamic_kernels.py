@@ -170,7 +170,9 @@ def test_half_precision_parameters_get_gradients_in_their_dtype(dtype):
     fused = run(copy.deepcopy(layer), x, grad_y)
     for name, _ in layer.named_parameters():
         assert fused[name].dtype == dtype, name
-    assert_matches(fused, run(copy.deepcopy(layer), x, grad_y, oracle), tolerance=ROUNDED[dtype], rounded=ROUNDED[dtype])
+    assert_matches(
+        fused, run(copy.deepcopy(layer), x, grad_y, oracle), tolerance=ROUNDED[dtype], rounded=ROUNDED[dtype]
+    )
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
@@ -193,7 +195,11 @@ def test_large_channel_means_keep_fp32_accuracy(training):
         autograd_error = (autograd[key].double() - want).abs().max().item()
         magnitude = max(1.0, want.abs().max().item())
         assert error <= 4 * rounding * magnitude, (key, error)
-        assert error <= max(2 * autograd_error, 8 * torch.finfo(torch.float32).eps * magnitude), (key, error, autograd_error)
+        assert error <= max(2 * autograd_error, 8 * torch.finfo(torch.float32).eps * magnitude), (
+            key,
+            error,
+            autograd_error,
+        )
 
 
 def test_a_training_step_is_seven_launches_without_syncs():

@@ -27,7 +27,14 @@ from sn_detection.layers.moment_normalizer import reference_normalize_by_moments
 DEVICE = "cpu" if INTERPRET else "cuda"
 FORWARD_KERNEL = {"SN": "triton:_forward_kernel", "SyncSN": "triton:_forward_kernel", "BNSR": "triton:_forward_kernel"}
 # (name, options): SN with and without its BN branch, BNSR at p = 1 (BatchNorm), above and below 1
-LAYERS = [("SN", {}), ("SN", {"use_bn": False}), ("SyncSN", {}), ("BNSR", {}), ("BNSR", {"p": 1.0}), ("BNSR", {"p": 1.3})]
+LAYERS = [
+    ("SN", {}),
+    ("SN", {"use_bn": False}),
+    ("SyncSN", {}),
+    ("BNSR", {}),
+    ("BNSR", {"p": 1.0}),
+    ("BNSR", {"p": 1.3}),
+]
 IDS = ["SN", "SN-no-bn", "SyncSN", "BNSR", "BNSR-p1", "BNSR-p1.3"]
 SHAPES = [(3, 16, 5, 7), (70, 24, 1, 2), (1, 8, 1, 1), (2, 8, 1, 1)]  # 70: more samples than a tile
 
@@ -140,8 +147,10 @@ def test_large_channel_means_keep_the_autograd_paths_float32_accuracy(name, opti
     def errors(result):
         tensors = {"output": result[0], **result[1], **result[2]}
         want = {"output": exact[0], **exact[1], **exact[2]}
-        return {key: ((t.double() - want[key].double()).abs().max().item(), want[key].double().abs().max().item())
-                for key, t in tensors.items()}
+        return {
+            key: ((t.double() - want[key].double()).abs().max().item(), want[key].double().abs().max().item())
+            for key, t in tensors.items()
+        }
 
     plain_errors = errors(plain)
     for key, (fused_error, size) in errors(fused).items():

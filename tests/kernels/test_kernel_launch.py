@@ -77,8 +77,30 @@ def sample_arguments():
     base = torch.zeros(256)
     tensors = [base, base[1:], base[4:], base.half(), base.half()[1:], base.half()[8:], base.bfloat16(), base.double()]
     tensors += [torch.nn.Parameter(base.clone()), torch.zeros(3, 5, dtype=torch.float32)]
-    ints = [0, 1, 2, 3, 15, 16, 17, 32, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 1, -(2**31), -(2**31) - 16,
-            2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 1]  # fmt: skip
+    ints = [
+        0,
+        1,
+        2,
+        3,
+        15,
+        16,
+        17,
+        32,
+        -1,
+        -16,
+        -17,
+        2**31 - 16,
+        2**31 - 1,
+        2**31,
+        2**31 + 1,
+        -(2**31),
+        -(2**31) - 16,
+        2**63 - 16,
+        2**63 - 1,
+        2**63,
+        2**63 + 16,
+        2**64 - 1,
+    ]
     return tensors + ints + [0.0, 1.0, 0.5, -3.5, float("nan"), True, False, None]
 
 

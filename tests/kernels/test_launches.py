@@ -61,7 +61,11 @@ def test_no_layer_waits_for_the_device(name, n, training):
     # not in a training step (forward and backward), nor in inference: a CUDA graph can capture either
     layer = build_norm(name, 64).to(DEVICE).train(training)
     x, grad_y = features(n=n)
-    step = count_training_step(layer, x, grad_y) if training else count_dispatch(lambda: layer(x.requires_grad_()).backward(grad_y))
+    step = (
+        count_training_step(layer, x, grad_y)
+        if training
+        else count_dispatch(lambda: layer(x.requires_grad_()).backward(grad_y))
+    )
     with torch.no_grad():
         inference = count_dispatch(lambda: layer(x))
     assert step.syncs == 0 and inference.syncs == 0, (step.operations, inference.operations)
@@ -90,10 +94,20 @@ def test_the_tool_times_every_layers_host_work_without_detectron2(tmp_path):
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run(
-        [sys.executable, os.path.join(repo, "tools", "count_launches.py"), "--host-time", "--rounds", "1",
-         "--json", str(tmp_path / "out" / "counts.json")],
-        cwd=repo, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(repo, "tools", "count_launches.py"),
+            "--host-time",
+            "--rounds",
+            "1",
+            "--json",
+            str(tmp_path / "out" / "counts.json"),
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["layer"]: row for row in json.loads((tmp_path / "out" / "counts.json").read_text())}
     for key in ("host_time", "host_time_eval"):

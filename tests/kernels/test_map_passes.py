@@ -218,7 +218,9 @@ def test_centered_dot_accuracy_mean_far_from_zero(layout):
     over = TritonPasses(x)
     dot, _ = over.centered_dot_and_sum(grad_y, x, over.block_of(center))
     ref_dot = (grad_y.double() * (x.double() - center.double()[:, :, None, None])).sum((2, 3))
-    scale = (grad_y.double().square().sum((2, 3)) * (x.double() - center.double()[:, :, None, None]).square().sum((2, 3))).sqrt()
+    scale = (
+        grad_y.double().square().sum((2, 3)) * (x.double() - center.double()[:, :, None, None]).square().sum((2, 3))
+    ).sqrt()
     assert ((dot.double() - ref_dot).abs() / scale).max() < 1e-6
 
 
@@ -258,8 +260,9 @@ def test_grad_y_is_taken_in_x_layout(layout):
     """Autograd may hand over grad_y in another layout than x's: the passes read it in x's."""
     x = _input((2, 3, 4, 5), torch.float32, layout)
     grad_y = _input((2, 3, 4, 5), torch.float32, layout, seed=1)
-    other = grad_y.contiguous(memory_format=torch.channels_last if layout == torch.contiguous_format else
-                              torch.contiguous_format)  # fmt: skip
+    other = grad_y.contiguous(
+        memory_format=torch.channels_last if layout == torch.contiguous_format else torch.contiguous_format
+    )
     over, ones = TritonPasses(x), torch.ones(2, 3, device=DEVICE)
     pq, moments = over.block_of(ones, ones), over.block_of(ones)
     grad_x = over.grad_input(grad_y, x, ones, pq, moments, False)
@@ -315,7 +318,9 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU the other tests compile and run the kernels")
 def test_kernels_compile_for_h100():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     if result.returncode != 0 and "No module named 'triton.backends" in result.stderr:
         pytest.skip("this Triton has no CUDA compiler backend")
     assert result.returncode == 0, result.stderr[-4000:]

@@ -223,8 +223,6 @@ def test_underflowing_mgn_gates_keep_normalized_shares(launched):
     assert_accurate(fused, expected, run_float64(layer, x, grad_y), TOLERANCE[torch.float32], x_terms)
 
 
-
-
 def errors(actual, exact):
     y, grads, buffers = actual
     y64, grads64, buffers64 = exact

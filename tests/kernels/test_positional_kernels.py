@@ -125,10 +125,12 @@ def test_large_channel_means_keep_float32_accuracy(shape, layout):
     exact = float64_run(layer, x, grad_y)
     results = {"kernels": kernel_run(layer, x, grad_y), "plain": run(layer, x, grad_y, tensor_path)}
     errors = {
-        name: {key: (got.double() - want.double()).abs().max().item()
-               for key, got, want in [("output", r[0], exact[0])] + [(k, r[1][k], exact[1][k]) for k in exact[1]]}
+        name: {
+            key: (got.double() - want.double()).abs().max().item()
+            for key, got, want in [("output", r[0], exact[0])] + [(k, r[1][k], exact[1][k]) for k in exact[1]]
+        }
         for name, r in results.items()
-    }  # fmt: skip
+    }
     for key, error in errors["kernels"].items():
         size = max(exact[0].abs().max().item() if key == "output" else exact[1][key].abs().max().item(), 1.0)
         assert error <= 2 * errors["plain"][key] + 1e-6 * size, (key, errors)

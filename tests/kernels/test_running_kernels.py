@@ -58,8 +58,10 @@ def test_the_kernels_move_the_running_statistics_as_the_torch_path(name, momentu
     reference = build_norm("SN" if name == "SyncSN" else name, shape[1], momentum=momentum).to(DEVICE).train()
     reference.load_state_dict(copy.deepcopy(layer.state_dict()))
     # SyncSN's pooled kernels: one process stands in for several, its sums all-reduced with nobody
-    with mock.patch.object(switchable, "_several_processes", lambda: name == "SyncSN"), \
-            mock.patch.object(switchable_kernels.dist, "all_reduce", lambda tensor: None):
+    with (
+        mock.patch.object(switchable, "_several_processes", lambda: name == "SyncSN"),
+        mock.patch.object(switchable_kernels.dist, "all_reduce", lambda tensor: None),
+    ):
         for x in batches(shape):
             with recorded_kernels() as kernels:
                 layer(x).sum().backward()

@@ -23,39 +23,163 @@ F32, I64 = torch.float32, torch.int64
 # (norm, channels, options, identity, state-dict version, [(key, shape, dtype)] in state-dict order, the
 # identity after them and before any submodule's tensors)
 SAVED = [
-    ("SN", 64, {}, "SwitchableNorm2d(eps=1e-05, use_bn=True)", 2, [
-        ("weight", (64,), F32), ("bias", (64,), F32), ("mean_weight", (3,), F32), ("var_weight", (3,), F32),
-        ("running_mean", (64,), F32), ("running_var", (64,), F32), ("num_batches_tracked", (), I64)]),
-    ("SN", 64, {"use_bn": False, "eps": 0.001}, "SwitchableNorm2d(eps=0.001, use_bn=False)", 2, [
-        ("weight", (64,), F32), ("bias", (64,), F32), ("mean_weight", (2,), F32), ("var_weight", (2,), F32)]),
-    ("SyncSN", 64, {}, "SwitchableNorm2d(eps=1e-05, use_bn=True)", 2, [
-        ("weight", (64,), F32), ("bias", (64,), F32), ("mean_weight", (3,), F32), ("var_weight", (3,), F32),
-        ("running_mean", (64,), F32), ("running_var", (64,), F32), ("num_batches_tracked", (), I64)]),
-    ("DN", 96, {}, "DynamicNorm2d(eps=1e-05)", 2, [
-        ("weight", (96,), F32), ("bias", (96,), F32), ("channel_gates", (6,), F32), ("batch_gate", (), F32),
-        ("running_mean", (96,), F32), ("running_var", (96,), F32), ("num_batches_tracked", (), I64)]),
-    ("DN", 64, {"init_groups": 64, "init_batch_pool": True, "eps": 0.0001}, "DynamicNorm2d(eps=0.0001)", 2, [
-        ("weight", (64,), F32), ("bias", (64,), F32), ("channel_gates", (6,), F32), ("batch_gate", (), F32),
-        ("running_mean", (64,), F32), ("running_var", (64,), F32), ("num_batches_tracked", (), I64)]),
+    (
+        "SN",
+        64,
+        {},
+        "SwitchableNorm2d(eps=1e-05, use_bn=True)",
+        2,
+        [
+            ("weight", (64,), F32),
+            ("bias", (64,), F32),
+            ("mean_weight", (3,), F32),
+            ("var_weight", (3,), F32),
+            ("running_mean", (64,), F32),
+            ("running_var", (64,), F32),
+            ("num_batches_tracked", (), I64),
+        ],
+    ),
+    (
+        "SN",
+        64,
+        {"use_bn": False, "eps": 0.001},
+        "SwitchableNorm2d(eps=0.001, use_bn=False)",
+        2,
+        [("weight", (64,), F32), ("bias", (64,), F32), ("mean_weight", (2,), F32), ("var_weight", (2,), F32)],
+    ),
+    (
+        "SyncSN",
+        64,
+        {},
+        "SwitchableNorm2d(eps=1e-05, use_bn=True)",
+        2,
+        [
+            ("weight", (64,), F32),
+            ("bias", (64,), F32),
+            ("mean_weight", (3,), F32),
+            ("var_weight", (3,), F32),
+            ("running_mean", (64,), F32),
+            ("running_var", (64,), F32),
+            ("num_batches_tracked", (), I64),
+        ],
+    ),
+    (
+        "DN",
+        96,
+        {},
+        "DynamicNorm2d(eps=1e-05)",
+        2,
+        [
+            ("weight", (96,), F32),
+            ("bias", (96,), F32),
+            ("channel_gates", (6,), F32),
+            ("batch_gate", (), F32),
+            ("running_mean", (96,), F32),
+            ("running_var", (96,), F32),
+            ("num_batches_tracked", (), I64),
+        ],
+    ),
+    (
+        "DN",
+        64,
+        {"init_groups": 64, "init_batch_pool": True, "eps": 0.0001},
+        "DynamicNorm2d(eps=0.0001)",
+        2,
+        [
+            ("weight", (64,), F32),
+            ("bias", (64,), F32),
+            ("channel_gates", (6,), F32),
+            ("batch_gate", (), F32),
+            ("running_mean", (64,), F32),
+            ("running_var", (64,), F32),
+            ("num_batches_tracked", (), I64),
+        ],
+    ),
     ("GN", 64, {}, "GroupNorm2d(eps=1e-05, num_groups=32)", 1, [("weight", (64,), F32), ("bias", (64,), F32)]),
-    ("GN", 96, {"num_groups": 3, "eps": 0.001}, "GroupNorm2d(eps=0.001, num_groups=3)", 1, [
-        ("weight", (96,), F32), ("bias", (96,), F32)]),
-    ("MGN", 64, {}, "ModeGroupNorm2d(eps=1e-05, num_modes=2)", 1, [
-        ("weight", (64,), F32), ("bias", (64,), F32), ("gate.weight", (2, 1), F32), ("gate.bias", (2,), F32)]),
-    ("MGN", 64, {"num_modes": 3}, "ModeGroupNorm2d(eps=1e-05, num_modes=3)", 1, [
-        ("weight", (64,), F32), ("bias", (64,), F32), ("gate.weight", (3, 1), F32), ("gate.bias", (3,), F32)]),
-    ("MN", 64, {}, "ModeNorm2d(eps=1e-05, num_modes=2)", 2, [
-        ("weight", (64,), F32), ("bias", (64,), F32), ("running_mean", (2, 64), F32), ("running_var", (2, 64), F32),
-        ("num_batches_tracked", (), I64), ("gate.weight", (2, 64), F32), ("gate.bias", (2,), F32)]),
-    ("MN", 64, {"num_modes": 3, "momentum": 0.05}, "ModeNorm2d(eps=1e-05, num_modes=3)", 2, [
-        ("weight", (64,), F32), ("bias", (64,), F32), ("running_mean", (3, 64), F32), ("running_var", (3, 64), F32),
-        ("num_batches_tracked", (), I64), ("gate.weight", (3, 64), F32), ("gate.bias", (3,), F32)]),
-    ("BNSR", 64, {}, "SkewnessReducedBatchNorm2d(eps=1e-05, p=1.01)", 2, [
-        ("weight", (64,), F32), ("bias", (64,), F32), ("running_mean", (64,), F32), ("running_var", (64,), F32),
-        ("num_batches_tracked", (), I64)]),
-    ("BNSR", 64, {"p": 1.05}, "SkewnessReducedBatchNorm2d(eps=1e-05, p=1.05)", 2, [
-        ("weight", (64,), F32), ("bias", (64,), F32), ("running_mean", (64,), F32), ("running_var", (64,), F32),
-        ("num_batches_tracked", (), I64)]),
+    (
+        "GN",
+        96,
+        {"num_groups": 3, "eps": 0.001},
+        "GroupNorm2d(eps=0.001, num_groups=3)",
+        1,
+        [("weight", (96,), F32), ("bias", (96,), F32)],
+    ),
+    (
+        "MGN",
+        64,
+        {},
+        "ModeGroupNorm2d(eps=1e-05, num_modes=2)",
+        1,
+        [("weight", (64,), F32), ("bias", (64,), F32), ("gate.weight", (2, 1), F32), ("gate.bias", (2,), F32)],
+    ),
+    (
+        "MGN",
+        64,
+        {"num_modes": 3},
+        "ModeGroupNorm2d(eps=1e-05, num_modes=3)",
+        1,
+        [("weight", (64,), F32), ("bias", (64,), F32), ("gate.weight", (3, 1), F32), ("gate.bias", (3,), F32)],
+    ),
+    (
+        "MN",
+        64,
+        {},
+        "ModeNorm2d(eps=1e-05, num_modes=2)",
+        2,
+        [
+            ("weight", (64,), F32),
+            ("bias", (64,), F32),
+            ("running_mean", (2, 64), F32),
+            ("running_var", (2, 64), F32),
+            ("num_batches_tracked", (), I64),
+            ("gate.weight", (2, 64), F32),
+            ("gate.bias", (2,), F32),
+        ],
+    ),
+    (
+        "MN",
+        64,
+        {"num_modes": 3, "momentum": 0.05},
+        "ModeNorm2d(eps=1e-05, num_modes=3)",
+        2,
+        [
+            ("weight", (64,), F32),
+            ("bias", (64,), F32),
+            ("running_mean", (3, 64), F32),
+            ("running_var", (3, 64), F32),
+            ("num_batches_tracked", (), I64),
+            ("gate.weight", (3, 64), F32),
+            ("gate.bias", (3,), F32),
+        ],
+    ),
+    (
+        "BNSR",
+        64,
+        {},
+        "SkewnessReducedBatchNorm2d(eps=1e-05, p=1.01)",
+        2,
+        [
+            ("weight", (64,), F32),
+            ("bias", (64,), F32),
+            ("running_mean", (64,), F32),
+            ("running_var", (64,), F32),
+            ("num_batches_tracked", (), I64),
+        ],
+    ),
+    (
+        "BNSR",
+        64,
+        {"p": 1.05},
+        "SkewnessReducedBatchNorm2d(eps=1e-05, p=1.05)",
+        2,
+        [
+            ("weight", (64,), F32),
+            ("bias", (64,), F32),
+            ("running_mean", (64,), F32),
+            ("running_var", (64,), F32),
+            ("num_batches_tracked", (), I64),
+        ],
+    ),
     ("PONO", 64, {}, "PositionalNorm2d(eps=1e-05)", 1, [("weight", (64,), F32), ("bias", (64,), F32)]),
 ]
 
@@ -93,9 +217,7 @@ def identity_tensor(identity):
 
 
 @pytest.mark.parametrize("name, channels, options, identity, version, entries, sums", CASES)
-def test_state_dict_and_identity_are_those_checkpoints_hold(
-    name, channels, options, identity, version, entries, sums
-):
+def test_state_dict_and_identity_are_those_checkpoints_hold(name, channels, options, identity, version, entries, sums):
     torch.manual_seed(0)
     layer = build_norm(name, channels, **options)
     state = layer.state_dict()

@@ -99,8 +99,6 @@ def test_frozen_and_eval_mode_layers_are_left_alone(norm, excluded):
     assert not torch.equal(model.norm2.running_mean, torch.zeros(8))
 
 
-
-
 def test_no_op_without_batch_statistics():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), GroupNorm2d(8, num_groups=4), SwitchableNorm2d(8, use_bn=False))
     state = copy.deepcopy(model.state_dict())

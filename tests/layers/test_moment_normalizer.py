@@ -48,7 +48,7 @@ def forward_backward(forward, layer, x, grad_y):
 def test_fast_path_matches_reference(name, training, dtype):
     layer = perturbed(name, 16, dtype).train(training)
     generator = torch.Generator().manual_seed(1)
-    x = (torch.randn(3, 16, 7, 9, generator=generator, dtype=dtype) * 1.5 + 0.7)
+    x = torch.randn(3, 16, 7, 9, generator=generator, dtype=dtype) * 1.5 + 0.7
     grad_y = torch.randn(x.shape, generator=generator, dtype=dtype)
     fast_layer, reference_layer = layer, copy.deepcopy(layer)
 

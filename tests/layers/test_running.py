@@ -90,7 +90,9 @@ def test_a_dn_state_dict_without_num_batches_tracked_loads():
 
 def test_an_mn_state_dict_with_the_former_second_moment_loads_as_its_variance():
     layer = trained("MN")
-    state = {key: value for key, value in layer.state_dict().items() if key not in ("running_var", "num_batches_tracked")}
+    state = {
+        key: value for key, value in layer.state_dict().items() if key not in ("running_var", "num_batches_tracked")
+    }
     state["running_sq_mean"] = layer.running_var + layer.running_mean.square()
     loaded = build_norm("MN", 8)
     loaded.load_state_dict(state)

@@ -171,7 +171,9 @@ def test_tensors_off_the_kernel_path_take_the_closed_forms(monkeypatch):
     # whose values test_gradients_including_logits checks with gradcheck
     backwards = []
     original = SwitchableClosedForms.backward
-    monkeypatch.setattr(SwitchableClosedForms, "backward", lambda self, *args: backwards.append(self) or original(self, *args))
+    monkeypatch.setattr(
+        SwitchableClosedForms, "backward", lambda self, *args: backwards.append(self) or original(self, *args)
+    )
     layer = random_layer(4, torch.float64, True)
     layer(random_input((3, 4, 3, 3), torch.float64).requires_grad_()).sum().backward()
     assert len(backwards) == 1

@@ -22,14 +22,19 @@ def test_the_cache_key_holds_a_top1_stop_and_its_evaluation_period_only_when_set
     assert key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.EVAL_PERIOD", 0)) == plain
     stopped = key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.EVAL_PERIOD", 2, "PRETRAIN.STOP_TOP1", 50.0))
     assert stopped["pretrain"]["STOP_TOP1"] == 50 and stopped["pretrain"]["EVAL_PERIOD"] == 2
-    assert key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.EVAL_PERIOD", 4, "PRETRAIN.STOP_TOP1", 50.0)) != stopped
+    assert (
+        key(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.EVAL_PERIOD", 4, "PRETRAIN.STOP_TOP1", 50.0))
+        != stopped
+    )
 
 
 def test_the_cached_backbone_is_made_once(tiny_classification_set, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SN_DETECTION_PRETRAINED", str(tmp_path / "cache"))
     calls = []
     original = pretraining_cache.pretrain
-    monkeypatch.setattr(pretraining_cache, "pretrain", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    monkeypatch.setattr(
+        pretraining_cache, "pretrain", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    )
     cfg = tiny_cfg(tiny_classification_set, tmp_path / "unused", "PRETRAIN.MAX_ITER", "2")
     logger = logging.getLogger(pretraining_train.__name__)  # detectron2's setup_logger may stop propagation
     monkeypatch.setattr(logger, "handlers", [*logger.handlers, caplog.handler])

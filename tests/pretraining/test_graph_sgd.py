@@ -46,11 +46,16 @@ def sgd(model):
     gate's factor)."""
     conv, norm, _, _, linear = model
     return torch.optim.SGD(
-        [{"params": [conv.weight, linear.weight]},
-         {"params": [norm.weight, norm.bias, linear.bias], "weight_decay": 0.0},
-         {"params": [conv.bias], "lr": 0.05, "weight_decay": 0.0}],
-        lr=0.1, momentum=MOMENTUM, nesterov=True, weight_decay=WEIGHT_DECAY,
-    )  # fmt: skip
+        [
+            {"params": [conv.weight, linear.weight]},
+            {"params": [norm.weight, norm.bias, linear.bias], "weight_decay": 0.0},
+            {"params": [conv.bias], "lr": 0.05, "weight_decay": 0.0},
+        ],
+        lr=0.1,
+        momentum=MOMENTUM,
+        nesterov=True,
+        weight_decay=WEIGHT_DECAY,
+    )
 
 
 def gradients(model, seed):
@@ -156,8 +161,11 @@ def test_a_change_the_captured_step_would_not_see_is_refused():
     device_sgd = DeviceLRSGD(optimizer)
     device_sgd.check_unchanged()
     optimizer.param_groups[1]["weight_decay"] = 1e-3
-    with pytest.raises(RuntimeError, match=r"the optimizer's momentum, dampening, weight_decay, nesterov, maximize "
-                                           r"changed from .* after the step was captured"):  # fmt: skip
+    with pytest.raises(
+        RuntimeError,
+        match=r"the optimizer's momentum, dampening, weight_decay, nesterov, maximize "
+        r"changed from .* after the step was captured",
+    ):
         device_sgd.check_unchanged()
     optimizer.param_groups[1]["weight_decay"] = 0.0
     optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # new momentum buffers (a checkpoint's)

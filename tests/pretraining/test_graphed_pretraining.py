@@ -22,8 +22,9 @@ from sn_detection.pretraining.graphed_step import GraphedAMPTrainer, GraphedTrai
 from sn_detection.pretraining.train import _splits, pretrain, train_loader
 
 GRAPHED = (GraphedTrainer, GraphedAMPTrainer)
-OFF_CUDA = ("PRETRAIN.CUDA_GRAPH=True captures the training step in a CUDA graph, which needs MODEL.DEVICE cuda, "
-            "but it is")
+OFF_CUDA = (
+    "PRETRAIN.CUDA_GRAPH=True captures the training step in a CUDA graph, which needs MODEL.DEVICE cuda, but it is"
+)
 
 
 class Regression(nn.Module):
@@ -69,17 +70,23 @@ def test_pretraining_on_the_cpu_is_refused_before_training(tiny_classification_s
 def test_the_graphed_trainers_refuse_a_model_off_cuda(amp):
     optimizer = torch.optim.SGD(Regression().parameters(), lr=0.1)
     trainer_class = GRAPHED[amp]
-    with pytest.raises(ValueError, match=r"PRETRAIN.CUDA_GRAPH=True captures the step in a CUDA graph, but the model "
-                                         r"is on cpu; set MODEL.DEVICE cuda or PRETRAIN.CUDA_GRAPH False"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"PRETRAIN.CUDA_GRAPH=True captures the step in a CUDA graph, but the model "
+        r"is on cpu; set MODEL.DEVICE cuda or PRETRAIN.CUDA_GRAPH False",
+    ):
         trainer_class(Regression(), None, optimizer)
 
 
 def _graphed_trainer_in_process(rank):
     model = Regression()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"PRETRAIN.CUDA_GRAPH=True trains in one process, but there are 2: DDP in a "
-                                         r"CUDA graph needs .*; set PRETRAIN.CUDA_GRAPH False to train with several "
-                                         r"processes"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"PRETRAIN.CUDA_GRAPH=True trains in one process, but there are 2: DDP in a "
+        r"CUDA graph needs .*; set PRETRAIN.CUDA_GRAPH False to train with several "
+        r"processes",
+    ):
         step_trainer(model, None, optimizer, False, "PRETRAIN.AMP", trainer_classes=GRAPHED)
 
 

@@ -27,7 +27,10 @@ from tiny_pretraining import tiny_cfg
 from torch import nn
 
 from sn_detection.pretraining.graphed_step import (
-    WARMUP_STEPS, GraphedAMPTrainer, GraphedSteps, GraphedTrainer,
+    WARMUP_STEPS,
+    GraphedAMPTrainer,
+    GraphedSteps,
+    GraphedTrainer,
 )
 from sn_detection.pretraining.train import BACKBONE_FILE, pretrain
 
@@ -117,8 +120,9 @@ def test_graphed_pretraining_trains_as_eager_pretraining(tiny_classification_set
     assert sorted(losses) == list(range(ITERATIONS))
     # the warm-up goes on while float16's first steps overflow and are skipped, until the optimizer has stepped
     assert replays == ITERATIONS - WARMUP_STEPS if not amp else 0 < replays <= ITERATIONS - WARMUP_STEPS
-    torch.testing.assert_close([losses[i] for i in range(ITERATIONS)], [eager_losses[i] for i in range(ITERATIONS)],
-                               **TOLERANCE[amp])  # fmt: skip
+    torch.testing.assert_close(
+        [losses[i] for i in range(ITERATIONS)], [eager_losses[i] for i in range(ITERATIONS)], **TOLERANCE[amp]
+    )
     assert_close_backbones(backbone(tmp_path), backbone(eager_folder), TOLERANCE[amp])
     # the checkpoints are eager training's: the same entries, the optimizer's groups and state alike
     graphed, eager = checkpoint(tmp_path, 5), checkpoint(eager_folder, 5)
@@ -127,14 +131,18 @@ def test_graphed_pretraining_trains_as_eager_pretraining(tiny_classification_set
     assert graphed["optimizer"]["param_groups"] == eager["optimizer"]["param_groups"]
     assert graphed["optimizer"]["state"].keys() == eager["optimizer"]["state"].keys()
     for index, state in eager["optimizer"]["state"].items():
-        torch.testing.assert_close(graphed["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"],
-                                   **TOLERANCE[amp])  # fmt: skip
+        torch.testing.assert_close(
+            graphed["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"], **TOLERANCE[amp]
+        )
     if amp:  # GradScaler's skips and growth, on the device, as the eager trainer's on the host
         assert graphed["grad_scaler"] == eager["grad_scaler"]
 
 
-@pytest.mark.parametrize("first, then", [(True, True), (True, False), (False, True)],
-                         ids=["graphed-graphed", "graphed-eager", "eager-graphed"])  # fmt: skip
+@pytest.mark.parametrize(
+    "first, then",
+    [(True, True), (True, False), (False, True)],
+    ids=["graphed-graphed", "graphed-eager", "eager-graphed"],
+)
 def test_a_resumed_run_trains_as_an_uninterrupted_one(tiny_classification_set, tmp_path, eager_runs, first, then):
     eager_losses, eager_folder = eager_runs[False]
     _, replays = run(tiny_classification_set, tmp_path, "PRETRAIN.CUDA_GRAPH", str(first), killed_at=KILLED_AT)
@@ -143,8 +151,9 @@ def test_a_resumed_run_trains_as_an_uninterrupted_one(tiny_classification_set, t
     resumed_at = 6  # after the checkpoint of iteration 5
     assert sorted(losses) == list(range(resumed_at, ITERATIONS))
     assert replays == (ITERATIONS - resumed_at - WARMUP_STEPS if then else 0)  # it warms up and captures again
-    torch.testing.assert_close([losses[i] for i in sorted(losses)], [eager_losses[i] for i in sorted(losses)],
-                               **TOLERANCE[False])  # fmt: skip
+    torch.testing.assert_close(
+        [losses[i] for i in sorted(losses)], [eager_losses[i] for i in sorted(losses)], **TOLERANCE[False]
+    )
     assert_close_backbones(backbone(tmp_path), backbone(eager_folder), TOLERANCE[False])
 
 
@@ -180,10 +189,13 @@ def test_a_batch_of_other_shapes_is_refused():
     trainer = captured_trainer(batches(4, 4, 4, 4, 4, 3))
     with EventStorage():
         trainer.run_step()
-        with pytest.raises(ValueError, match=r"PRETRAIN.CUDA_GRAPH=True replays the step captured for batches of "
-                                             r"\(shape, dtype\) \[\(\(4, 3\), torch.float32\), \(\(4, 1\), "
-                                             r"torch.float32\)\], but got \[\(\(3, 3\), .*every batch must have the "
-                                             r"same shapes"):  # fmt: skip
+        with pytest.raises(
+            ValueError,
+            match=r"PRETRAIN.CUDA_GRAPH=True replays the step captured for batches of "
+            r"\(shape, dtype\) \[\(\(4, 3\), torch.float32\), \(\(4, 1\), "
+            r"torch.float32\)\], but got \[\(\(3, 3\), .*every batch must have the "
+            r"same shapes",
+        ):
             trainer.run_step()
 
 
@@ -208,5 +220,6 @@ def test_what_cannot_run_inside_a_replay_is_refused():
     with pytest.raises(ValueError, match=r"hooks that act between them \(after_backward\) cannot run; got Clips"):
         trainer.register_hooks([ClipsGradients()])
     with pytest.raises(ValueError, match="log_grad_scaler reads the scale between the backward and the optimizer step"):
-        GraphedAMPTrainer(Regression().cuda(), None, torch.optim.SGD(Regression().parameters(), lr=0.1),
-                          log_grad_scaler=True)  # fmt: skip
+        GraphedAMPTrainer(
+            Regression().cuda(), None, torch.optim.SGD(Regression().parameters(), lr=0.1), log_grad_scaler=True
+        )

@@ -32,8 +32,11 @@ def test_a_stop_past_the_schedule_is_refused():
     cfg = get_cfg()
     add_sn_config(cfg)
     cfg.PRETRAIN.MAX_ITER, cfg.PRETRAIN.STOP_ITER = 100, 101
-    with pytest.raises(ValueError, match=r"PRETRAIN.STOP_ITER=101 is invalid: it must be 0 \(the whole schedule\) or "
-                                         r"at most PRETRAIN.MAX_ITER=100"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"PRETRAIN.STOP_ITER=101 is invalid: it must be 0 \(the whole schedule\) or "
+        r"at most PRETRAIN.MAX_ITER=100",
+    ):
         validate_pretrain_config(cfg)
     cfg.PRETRAIN.STOP_ITER = 100
     validate_pretrain_config(cfg)

@@ -76,7 +76,10 @@ def test_a_resumed_pretraining_equals_an_uninterrupted_one(tiny_classification_s
     # it went on from the checkpoint: a run that trained again from 0 would end alike
     assert steps == list(range(2, cfg.PRETRAIN.MAX_ITER))
     assert resumed["val_top1"] == whole["val_top1"]
-    first, second = backbone_tensors(tmp_path / "whole" / BACKBONE_FILE), backbone_tensors(tmp_path / "resumed" / BACKBONE_FILE)
+    first, second = (
+        backbone_tensors(tmp_path / "whole" / BACKBONE_FILE),
+        backbone_tensors(tmp_path / "resumed" / BACKBONE_FILE),
+    )
     assert first.keys() == second.keys()
     assert all(torch.equal(torch.as_tensor(first[key]), torch.as_tensor(second[key])) for key in first)
 
@@ -94,12 +97,16 @@ def test_a_stopped_pretraining_is_the_beginning_of_the_whole_run(tiny_classifica
     # after 2 iterations: the whole run's weights and learning rates (a 2-iteration schedule's differ); the
     # running statistics of the stopped run's last checkpoint are its batch average (taken before the last
     # checkpoint, where detectron2 places PreciseBN)
-    whole, stopped = (torch.load(tmp_path / run / "model_0000001.pth", map_location="cpu", weights_only=False)
-                      for run in ("whole", "stopped"))  # fmt: skip
+    whole, stopped = (
+        torch.load(tmp_path / run / "model_0000001.pth", map_location="cpu", weights_only=False)
+        for run in ("whole", "stopped")
+    )
     assert whole["model"].keys() == stopped["model"].keys()
     differ = [key for key in whole["model"] if not torch.equal(whole["model"][key], stopped["model"][key])]
     assert differ and all(key.endswith((".running_mean", ".running_var")) for key in differ), differ
-    learning_rates = [[group["lr"] for group in run["trainer"]["optimizer"]["param_groups"]] for run in (whole, stopped)]
+    learning_rates = [
+        [group["lr"] for group in run["trainer"]["optimizer"]["param_groups"]] for run in (whole, stopped)
+    ]
     assert learning_rates[0] == learning_rates[1]
     pretrain(tiny_cfg(tiny_classification_set, tmp_path / "short", "PRETRAIN.MAX_ITER", 2))
     short = torch.load(tmp_path / "short" / "model_0000001.pth", map_location="cpu", weights_only=False)
@@ -184,18 +191,33 @@ def test_a_pretraining_stopped_at_a_top1_and_killed_after_its_last_checkpoint_re
 
 def run_tool(*args, succeeds=True, env=None):
     result = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "pretrain_backbone.py"), "--config-file",
-         os.path.join(REPO, "configs", "demo_compare_norms.yaml"), *args],
-        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True, text=True,
+        [
+            sys.executable,
+            os.path.join(REPO, "tools", "pretrain_backbone.py"),
+            "--config-file",
+            os.path.join(REPO, "configs", "demo_compare_norms.yaml"),
+            *args,
+        ],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        capture_output=True,
+        text=True,
         timeout=900,
-    )  # fmt: skip
+    )
     assert (result.returncode == 0) == succeeds, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout + result.stderr
 
 
 def test_the_tool_refuses_a_bad_value_before_writing_anything(tmp_path):
-    output = run_tool("PRETRAIN.OUTPUT_DIR", str(tmp_path / "out"), "OUTPUT_DIR", str(tmp_path / "detector"),
-                      "PRETRAIN.CROP_AREA", "(0.5, 0.2)", succeeds=False)  # fmt: skip
+    output = run_tool(
+        "PRETRAIN.OUTPUT_DIR",
+        str(tmp_path / "out"),
+        "OUTPUT_DIR",
+        str(tmp_path / "detector"),
+        "PRETRAIN.CROP_AREA",
+        "(0.5, 0.2)",
+        succeeds=False,
+    )
     assert "PRETRAIN.CROP_AREA=(0.5, 0.2) is invalid: it must be (low, high) with 0 < low <= high <= 1" in output
     assert list(tmp_path.iterdir()) == []
 
@@ -206,9 +228,14 @@ def test_two_processes_with_sync_sn_equal_one_process_on_the_concatenated_batch(
     beyond that the rounding of different reduction orders grows with training, as between thread counts."""
     schedule = ["PRETRAIN.MAX_ITER", "3", "PRETRAIN.BASE_LR", "0.02", "PRETRAIN.CHECKPOINT_PERIOD", "100"]
     run_tool(*tiny_pretraining(tiny_classification_set, tmp_path / "one", *schedule))
-    output = run_tool("--num-gpus", "2", "--dist-url", "auto",
-                      *tiny_pretraining(tiny_classification_set, tmp_path / "two", "PRETRAIN.SYNC_NORMS", "True", *schedule),
-                      env={"CUDA_VISIBLE_DEVICES": ""})  # the processes run on the CPU, also on a machine with a GPU
+    output = run_tool(
+        "--num-gpus",
+        "2",
+        "--dist-url",
+        "auto",
+        *tiny_pretraining(tiny_classification_set, tmp_path / "two", "PRETRAIN.SYNC_NORMS", "True", *schedule),
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )  # the processes run on the CPU, also on a machine with a GPU
     assert "World size: 2" in output
     one, two = backbone_tensors(tmp_path / "one" / BACKBONE_FILE), backbone_tensors(tmp_path / "two" / BACKBONE_FILE)
     assert one.keys() == two.keys()
@@ -253,8 +280,10 @@ def test_mixed_precision_off_cuda_is_refused_naming_the_key(tiny_classification_
 def test_a_run_resumes_only_with_its_model_and_not_past_its_last_iteration(tiny_classification_set, tmp_path):
     pretrain(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.MAX_ITER", "2"))
     with pytest.raises(ValueError, match="cannot resume from .*: it is not a checkpoint of this model"):
-        pretrain(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.MAX_ITER", "4", "MODEL.RESNETS.NORM", "GN"),
-                 resume=True)  # fmt: skip
+        pretrain(
+            tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.MAX_ITER", "4", "MODEL.RESNETS.NORM", "GN"),
+            resume=True,
+        )
     with pytest.raises(ValueError, match="is at iteration 1, past PRETRAIN.MAX_ITER=1: raise PRETRAIN.MAX_ITER"):
         pretrain(tiny_cfg(tiny_classification_set, tmp_path, "PRETRAIN.MAX_ITER", "1"), resume=True)
 
@@ -268,10 +297,13 @@ def test_a_frozen_bn_backbone_is_pretrained_as_bn(tiny_classification_set, tmp_p
     assert torch.as_tensor(tensors["stem.conv1.norm.running_mean"]).abs().sum() > 0  # FrozenBN would keep 0
 
 
-@pytest.mark.parametrize("norm, problem", [
-    ("DN", "PRETRAIN.SYNC_NORMS=True: DN has batch statistics that no synchronised layer pools"),
-    ("BN", "PRETRAIN.SYNC_NORMS=True makes BN torch's SyncBatchNorm, which runs on CUDA only"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "norm, problem",
+    [
+        ("DN", "PRETRAIN.SYNC_NORMS=True: DN has batch statistics that no synchronised layer pools"),
+        ("BN", "PRETRAIN.SYNC_NORMS=True makes BN torch's SyncBatchNorm, which runs on CUDA only"),
+    ],
+)
 def test_sync_norms_refuses_statistics_it_cannot_pool(tiny_classification_set, tmp_path, norm, problem):
     sync = ["MODEL.RESNETS.NORM", norm, "PRETRAIN.SYNC_NORMS", "True", "MODEL.DEVICE", "cpu"]
     with pytest.raises(ValueError, match=re.escape(problem)):
@@ -283,11 +315,14 @@ def test_sync_norms_leaves_batch_independent_norms_alone(tiny_classification_set
     assert pretrained_norm(cfg) == "GN" and backbone_cfg(cfg).MODEL.RESNETS.NORM == "GN"
 
 
-@pytest.mark.parametrize("flags, problem", [
-    (["--eval-only"], "--eval-only: pretraining has no evaluation-only run"),
-    (["--cached", "--num-gpus", "2"], "--cached makes the backbone from the start in one process"),
-    (["--cached", "--resume"], "--cached makes the backbone from the start in one process"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, problem",
+    [
+        (["--eval-only"], "--eval-only: pretraining has no evaluation-only run"),
+        (["--cached", "--num-gpus", "2"], "--cached makes the backbone from the start in one process"),
+        (["--cached", "--resume"], "--cached makes the backbone from the start in one process"),
+    ],
+)
 def test_the_tool_refuses_flags_it_would_ignore(flags, problem, capsys):
     with pytest.raises(SystemExit):
         pretrain_backbone.main(["--config-file", os.path.join(REPO, "configs", "demo_compare_norms.yaml"), *flags])

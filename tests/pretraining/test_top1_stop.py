@@ -44,7 +44,9 @@ def test_a_run_that_never_stops_is_cached_for_its_stop_as_a_copy(tiny_classifica
 
     scripted_top1(monkeypatch, 30.0, 50.0)
     trained = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "trained", *run, "PRETRAIN.STOP_TOP1", 35.0))
-    assert trained["iterations"] == 21 and not trained["stop_top1_reached"] and trained["val_top1"] == results["val_top1"]
+    assert (
+        trained["iterations"] == 21 and not trained["stop_top1_reached"] and trained["val_top1"] == results["val_top1"]
+    )
     first, second = (backbone_tensors(path) for path in (copied, tmp_path / "trained" / BACKBONE_FILE))
     assert all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(second[k])) for k in first)
 
@@ -66,7 +68,9 @@ def test_a_run_stopped_at_a_top1_is_made_from_the_model_its_whole_run_kept_there
     stale = tmp_path / "work" / "evaluated" / "model_after_0000060.pth.tmp"  # a partial write of another attempt
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"partial")
-    source = os.path.dirname(cached_backbone(cfg("PRETRAIN.KEEP_EVALUATED_MODELS", True), work_dir=str(tmp_path / "work")))
+    source = os.path.dirname(
+        cached_backbone(cfg("PRETRAIN.KEEP_EVALUATED_MODELS", True), work_dir=str(tmp_path / "work"))
+    )
     kept = sorted(os.listdir(os.path.join(source, "evaluated")))
     assert kept == ["model_after_0000020.pth", "model_after_0000040.pth"]
     assert pretraining_cache.is_cached(cfg())  # the same backbone, whether its models were kept or not
@@ -95,18 +99,32 @@ def test_a_run_stopped_at_a_top1_is_made_from_the_model_its_whole_run_kept_there
     assert not os.path.exists(os.path.join(made, "evaluated"))
 
     scripted_top1(monkeypatch, 40.0, 60.0, 80.0)
-    trained = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "trained", *run, "PRETRAIN.STOP_TOP1", 50.0,
-                                "PRETRAIN.KEEP_EVALUATED_MODELS", True))  # fmt: skip
+    trained = pretrain(
+        tiny_cfg(
+            tiny_classification_set,
+            tmp_path / "trained",
+            *run,
+            "PRETRAIN.STOP_TOP1",
+            50.0,
+            "PRETRAIN.KEEP_EVALUATED_MODELS",
+            True,
+        )
+    )
     assert trained["iterations"] == 40 and trained["stop_top1_reached"]
     assert not (tmp_path / "trained" / "evaluated").exists()  # a stopped run is no source: it keeps nothing
     ignored = ("train_seconds", "same_run_as")
     assert {k: v for k, v in results.items() if k not in ignored} == {
-        k: v for k, v in json.loads(json.dumps(trained)).items() if k not in ignored}  # fmt: skip
+        k: v for k, v in json.loads(json.dumps(trained)).items() if k not in ignored
+    }
     curve = top1_curve
-    assert curve(os.path.join(made, "metrics.json"), 40) == curve(tmp_path / "trained" / "metrics.json", 40) == [
-        (20, 40.0), (40, 80.0)]  # fmt: skip
-    first, second = (backbone_tensors(path) for path in (os.path.join(made, BACKBONE_FILE),
-                                                          tmp_path / "trained" / BACKBONE_FILE))  # fmt: skip
+    assert (
+        curve(os.path.join(made, "metrics.json"), 40)
+        == curve(tmp_path / "trained" / "metrics.json", 40)
+        == [(20, 40.0), (40, 80.0)]
+    )
+    first, second = (
+        backbone_tensors(path) for path in (os.path.join(made, BACKBONE_FILE), tmp_path / "trained" / BACKBONE_FILE)
+    )
     assert first.keys() == second.keys()
     assert all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(second[k])) for k in first)
 

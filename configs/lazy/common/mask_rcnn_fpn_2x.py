@@ -25,9 +25,7 @@ dataloader.train.total_batch_size = 16
 
 # our norms' rules: no weight decay on their affine parameters, the gates' own decay and learning rate
 optimizer = L(torch.optim.SGD)(
-    params=L(get_optimizer_params)(
-        base_lr="${..lr}", weight_decay_norm=0.0, gate_lr_factor=1.0, gate_weight_decay=0.0
-    ),
+    params=L(get_optimizer_params)(base_lr="${..lr}", weight_decay_norm=0.0, gate_lr_factor=1.0, gate_weight_decay=0.0),
     lr=0.02,
     momentum=0.9,
     weight_decay=1e-4,

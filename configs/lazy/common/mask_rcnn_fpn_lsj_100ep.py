@@ -21,8 +21,12 @@ from sn_detection.d2.optimizer import get_optimizer_params
 
 _recipe = get_config("new_baselines/mask_rcnn_R_50_FPN_100ep_LSJ.py")
 model, dataloader, optimizer, train, lr_multiplier = (
-    _recipe.model, _recipe.dataloader, _recipe.optimizer, _recipe.train, _recipe.lr_multiplier,
-)  # fmt: skip
+    _recipe.model,
+    _recipe.dataloader,
+    _recipe.optimizer,
+    _recipe.train,
+    _recipe.lr_multiplier,
+)
 
 optimizer.params = L(get_optimizer_params)(
     base_lr="${..lr}", weight_decay_norm=0.0, gate_lr_factor=1.0, gate_weight_decay=0.0

@@ -7,7 +7,7 @@ import argparse
 import functools
 import logging
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from ...engine.arguments import output_file
 from ...engine.launch import load_cfg
@@ -43,64 +43,80 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the same CPU-sized Mask R-CNN once per norm setting and seed and compare COCO AP."
     )
     parser.add_argument(
-        "--finetune", action="store_true",
+        "--finetune",
+        action="store_true",
         help="finetune each backbone from one pretrained with its norm (the SN paper's protocol); without it, "
         "train from scratch",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--config-file", metavar="FILE",
+        "--config-file",
+        metavar="FILE",
         help=f"the base config (default: {DEFAULT_CONFIG}; with --finetune {DEFAULT_FINETUNE_CONFIG})",
-    )  # fmt: skip
+    )
     # extend: a setting that starts with '-' reads as an option unless attached (--settings=-/GN), and an
     # attached value takes no others after it, so --settings may repeat
     parser.add_argument(
-        "--settings", nargs="+", action="extend", metavar="SETTING",
+        "--settings",
+        nargs="+",
+        action="extend",
+        metavar="SETTING",
         help=f"NORM (backbone, FPN, heads) or BACKBONE/HEAD, - for none (write a setting that starts with - as "
         f"--settings=-/GN, one per --settings, which may repeat); default: {' '.join(DEFAULT_SETTINGS)}; "
         f"with --finetune {' '.join(FINETUNE_SETTINGS)}",
-    )  # fmt: skip
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="default: %(default)s")
     parser.add_argument("--iters", type=int, help="iterations per run, the schedule scaled (default: the config's)")
     parser.add_argument(
-        "--batch-average-batches", type=int, metavar="K",
+        "--batch-average-batches",
+        type=int,
+        metavar="K",
         help="batches of the batch average for settings with batch statistics; 0: none (default: the config's)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--output-dir",
         help=f"one folder per run in it (default: {DEFAULT_OUTPUT_DIR}; with --finetune {DEFAULT_FINETUNE_OUTPUT_DIR})",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--jobs", type=int, default=1, metavar="N",
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
         help="runs at once, the threads (OMP_NUM_THREADS, else the cores) split between them (default: 1)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--backbones", metavar="BEST_JSON",
-        help="with --finetune: pretrain each backbone norm with its PRETRAIN setting in this file (tools/pretrain_grid.py's "
-        f"best.json; FrozenBN: BN's); default --output-dir then {DEFAULT_BEST_OUTPUT_DIR}",
-    )  # fmt: skip
+        "--backbones",
+        metavar="BEST_JSON",
+        help="with --finetune: pretrain each backbone norm with its PRETRAIN setting in this file "
+        f"(tools/pretrain_grid.py's best.json; FrozenBN: BN's); default --output-dir then {DEFAULT_BEST_OUTPUT_DIR}",
+    )
     parser.add_argument(
-        "--stop-top1", type=float, metavar="X",
+        "--stop-top1",
+        type=float,
+        metavar="X",
         help="with --backbones: every backbone stops at val top-1 X (PRETRAIN.STOP_TOP1) in place of the file's, "
         "e.g. a common top-1 that every seed's backbone reaches; made without training where a cached run of "
         "the same setting kept its evaluated models",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--backbone-seeds", action="store_true",
+        "--backbone-seeds",
+        action="store_true",
         help="with --finetune: seed k finetunes a backbone pretrained with SEED k, so that the spread over seeds "
         "includes the backbone's (default: every seed finetunes the backbone of the config's SEED)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--publish", metavar="FILE", type=output_file,
+        "--publish",
+        metavar="FILE",
+        type=output_file,
         help="also write the table here, e.g. model_zoo/sections/NAME.md: a section of model_zoo/README.md, which "
         "python -m sn_detection.model_zoo renders",
-    )  # fmt: skip
+    )
     parser.add_argument("--report-only", action="store_true", help="only write the tables and plots of finished runs")
     parser.add_argument("--plan-only", action="store_true", help="print the plan and the estimate, run nothing")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides for every run")
     return parser
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.config_file = args.config_file or (DEFAULT_FINETUNE_CONFIG if args.finetune else DEFAULT_CONFIG)
@@ -125,8 +141,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             check_finetune_settings(args.settings)
         args.backbone_settings = read_backbone_settings(args.backbones) if args.backbones else None
         if args.stop_top1 is not None:
-            args.backbone_settings = {norm: {**overrides, "PRETRAIN.STOP_TOP1": args.stop_top1}
-                                      for norm, overrides in args.backbone_settings.items()}  # fmt: skip
+            args.backbone_settings = {
+                norm: {**overrides, "PRETRAIN.STOP_TOP1": args.stop_top1}
+                for norm, overrides in args.backbone_settings.items()
+            }
     except ValueError as error:
         parser.error(str(error))
     return args
@@ -141,9 +159,16 @@ def plan_sweep(args: argparse.Namespace) -> tuple:
         pretraining = backbone_configs(per_norm, args.seeds, args.backbone_seeds)
         backbones = {key: cached_backbone_path(config) for key, config in pretraining.items()} or None
         runs = plan_runs(
-            cfg, args.config_file, args.settings, args.seeds, args.output_dir, args.iters, args.batch_average_batches,
-            args.opts, backbones,
-        )  # fmt: skip
+            cfg,
+            args.config_file,
+            args.settings,
+            args.seeds,
+            args.output_dir,
+            args.iters,
+            args.batch_average_batches,
+            args.opts,
+            backbones,
+        )
         check_folders(runs)
     except ValueError as error:
         raise SystemExit(f"compare_norms: error: {error}") from None
@@ -155,24 +180,35 @@ def warn_of_backbones_not_cached(per_norm: dict) -> None:
     (--backbone-seeds' others are new)."""
     for norm, config in per_norm.items():
         if not is_cached(config):
-            logger.warning("--backbones: the backbone of %s is not in the cache (%s): it is pretrained first; the "
-                           "grid's config and KEY VALUE overrides would have made it", norm,
-                           cached_backbone_path(config))  # fmt: skip
+            logger.warning(
+                "--backbones: the backbone of %s is not in the cache (%s): it is pretrained first; the "
+                "grid's config and KEY VALUE overrides would have made it",
+                norm,
+                cached_backbone_path(config),
+            )
 
 
 def runs_with_backbones(args: argparse.Namespace, pretraining: dict, runs: list) -> tuple[list, list]:
     """The backbones not cached yet made; (the runs whose backbone failed, the others)."""
-    failed_backbones = make_backbones(pretraining, os.path.abspath(args.output_dir), os.path.abspath(args.config_file),
-                                      args.opts, args.backbone_settings, args.jobs)  # fmt: skip
+    failed_backbones = make_backbones(
+        pretraining,
+        os.path.abspath(args.output_dir),
+        os.path.abspath(args.config_file),
+        args.opts,
+        args.backbone_settings,
+        args.jobs,
+    )
     missing = {cached_backbone_path(config) for config in failed_backbones}
     failed = [run for run in runs if initial_weights(run.train_args) in missing]
     if failed:
-        logger.error("not run, their backbone failed (its log is named above): %s",
-                     ", ".join(f"{run.setting.name} seed {run.seed}" for run in failed))  # fmt: skip
+        logger.error(
+            "not run, their backbone failed (its log is named above): %s",
+            ", ".join(f"{run.setting.name} seed {run.seed}" for run in failed),
+        )
     return failed, [run for run in runs if run not in failed]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Returns the exit status: 1 if a run failed."""
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s compare_norms] %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)

@@ -10,8 +10,8 @@ import math
 import os
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from detectron2.config import CfgNode
 
@@ -131,9 +131,7 @@ def has_batch_statistics_norm(cfg, norm: str) -> bool:
     return layer is not None and has_batch_statistics(layer)
 
 
-def pretraining_configs(
-    cfg, settings: Sequence[Setting], best: Optional[dict[str, dict]] = None
-) -> dict[str, CfgNode]:
+def pretraining_configs(cfg, settings: Sequence[Setting], best: dict[str, dict] | None = None) -> dict[str, CfgNode]:
     """Backbone norm -> the config that pretrains it with that norm (FrozenBN: with BN) by cfg's PRETRAIN
     settings (``sn_detection.pretraining.cache.cached_backbone``), with ``best[pretrained norm]``'s PRETRAIN
     overrides (``--backbones``: tools/pretrain_grid.py's best.json) if given."""
@@ -163,7 +161,9 @@ def read_backbone_settings(path: str) -> dict[str, dict]:
     except ValueError as error:
         raise ValueError(f"--backbones {path}: not JSON ({error})") from None
     if not isinstance(best, dict) or not all(isinstance(v, dict) for v in best.values()):
-        raise ValueError(f"--backbones {path}: expected {{norm: {{PRETRAIN key: value}}}}, as pretrain_grid's best.json")
+        raise ValueError(
+            f"--backbones {path}: expected {{norm: {{PRETRAIN key: value}}}}, as pretrain_grid's best.json"
+        )
     if not best:
         raise ValueError(f"--backbones {path} names no norm: is the pretraining grid done for any norm?")
     return best
@@ -175,10 +175,10 @@ def plan_runs(
     settings: Sequence[Setting],
     seeds: Sequence[int],
     output_dir: str,
-    iterations: Optional[int] = None,
-    batch_average_batches: Optional[int] = None,
+    iterations: int | None = None,
+    batch_average_batches: int | None = None,
     opts: Sequence[str] = (),
-    backbones: Optional[dict[tuple[str, int], str]] = None,
+    backbones: dict[tuple[str, int], str] | None = None,
 ) -> list[RunSpec]:
     """The runs of the sweep, seeds outermost. ``cfg`` is ``config_file`` with ``opts`` (KEY VALUE), which
     apply to every run; the sweep's own keys (norms, batch average, seed, schedule, and the initial weights
@@ -256,7 +256,9 @@ def cached_seconds_per_iteration(config: CfgNode) -> tuple[float, int]:
     return (statistics.median(measured), len(measured)) if measured else (math.nan, 0)
 
 
-def print_plan(runs: Sequence[RunSpec], pretraining: dict[tuple[str, int], CfgNode], output_dir: str, jobs: int) -> None:
+def print_plan(
+    runs: Sequence[RunSpec], pretraining: dict[tuple[str, int], CfgNode], output_dir: str, jobs: int
+) -> None:
     """What the sweep is about to do and an estimate of its wall time, before it does anything: runs
     done and to run, backbones to pretrain first (a killed one's time counted from its last checkpoint in
     ``output_dir``)."""
@@ -264,33 +266,58 @@ def print_plan(runs: Sequence[RunSpec], pretraining: dict[tuple[str, int], CfgNo
     todo = len(runs) - len(finished)
     settings, seeds = len({run.setting for run in runs}), len({run.seed for run in runs})
     iterations = ", ".join(str(i) for i in sorted({run.iterations for run in runs}))
-    print(f"Sweep: {settings} setting(s) x {seeds} seed(s) = {len(runs)} runs of {iterations} iterations; "
-          f"{len(finished)} done, {todo} to run, --jobs {jobs}.", flush=True)  # fmt: skip
+    print(
+        f"Sweep: {settings} setting(s) x {seeds} seed(s) = {len(runs)} runs of {iterations} iterations; "
+        f"{len(finished)} done, {todo} to run, --jobs {jobs}.",
+        flush=True,
+    )
     missing = backbones_to_make(pretraining)
     if missing:
-        print(f"First {len(missing)} backbone(s) not in the cache are pretrained, {min(jobs, len(missing))} at a "
-              "time:", flush=True)  # fmt: skip
+        print(
+            f"First {len(missing)} backbone(s) not in the cache are pretrained, {min(jobs, len(missing))} at a time:",
+            flush=True,
+        )
         for config in missing:
             norm, steps = pretrained_norm(config), trained_iterations(config)
             same_run = same_run_stop(config)
             if same_run is not None:
-                how = (f"top-1 {config.PRETRAIN.STOP_TOP1:g} % first reached after {same_run[1]} iterations"
-                       if same_run[1] else f"top-1 {config.PRETRAIN.STOP_TOP1:g} % not reached before its end: a copy")  # fmt: skip
-                print(f"  {norm}, SEED {config.SEED}: made without training from the cached run it cuts short "
-                      f"({how}): {same_run[0]}", flush=True)  # fmt: skip
+                how = (
+                    f"top-1 {config.PRETRAIN.STOP_TOP1:g} % first reached after {same_run[1]} iterations"
+                    if same_run[1]
+                    else f"top-1 {config.PRETRAIN.STOP_TOP1:g} % not reached before its end: a copy"
+                )
+                print(
+                    f"  {norm}, SEED {config.SEED}: made without training from the cached run it cuts short "
+                    f"({how}): {same_run[0]}",
+                    flush=True,
+                )
                 continue
             done = checkpointed_iterations(os.path.join(backbone_job_folder(output_dir, config), WORK_FOLDER))
             per_iter, count = cached_seconds_per_iteration(config)
-            basis = (f"{per_iter:.2f} s/iter, the median of {count} cached {norm} backbone(s)' training time"
-                     if count else f"no cached {norm} backbone to estimate from")  # fmt: skip
+            basis = (
+                f"{per_iter:.2f} s/iter, the median of {count} cached {norm} backbone(s)' training time"
+                if count
+                else f"no cached {norm} backbone to estimate from"
+            )
             resumed = f", resumed after {done} checkpointed" if done else ""
-            at_most = f"at most (it stops at {config.PRETRAIN.STOP_TOP1:g} % top-1) " if config.PRETRAIN.STOP_TOP1 else ""
-            print(f"  {norm}, SEED {config.SEED}, {at_most}{steps} iterations{resumed}: "
-                  f"{format_duration(per_iter * (steps - done))} ({basis})", flush=True)  # fmt: skip
+            at_most = (
+                f"at most (it stops at {config.PRETRAIN.STOP_TOP1:g} % top-1) " if config.PRETRAIN.STOP_TOP1 else ""
+            )
+            print(
+                f"  {norm}, SEED {config.SEED}, {at_most}{steps} iterations{resumed}: "
+                f"{format_duration(per_iter * (steps - done))} ({basis})",
+                flush=True,
+            )
     if todo:
         per_run = statistics.median(result.wall_s for result in finished) if finished else math.nan
         at_once = min(jobs, todo)
-        basis = (f"{todo} x {format_duration(per_run)}, the median wall time of the {len(finished)} finished run(s), "
-                 f"/ {at_once} at once" if finished else "known once a run of this sweep has finished")  # fmt: skip
-        print(f"Estimated wall time of the {todo} run(s) to run: {format_duration(todo * per_run / at_once)} "
-              f"({basis}).", flush=True)  # fmt: skip
+        basis = (
+            f"{todo} x {format_duration(per_run)}, the median wall time of the {len(finished)} finished run(s), "
+            f"/ {at_once} at once"
+            if finished
+            else "known once a run of this sweep has finished"
+        )
+        print(
+            f"Estimated wall time of the {todo} run(s) to run: {format_duration(todo * per_run / at_once)} ({basis}).",
+            flush=True,
+        )

@@ -8,7 +8,7 @@ display, and no change to the process's global matplotlib backend.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from matplotlib.figure import Figure

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from ...engine.arguments import create_folder_of
 from ...engine.trainer import RESULTS_FILE
@@ -21,13 +21,14 @@ logger = logging.getLogger(__name__)
 TABLE_FILE, CSV_FILE, AP_PLOT_FILE, CURVES_FILE = "results.md", "results.csv", "ap.png", "loss_curves.png"
 
 
-def write_outputs(
-    runs: Sequence[RunSpec], output_dir: str, description: str, publish: Optional[str]
-) -> list[RunResult]:
+def write_outputs(runs: Sequence[RunSpec], output_dir: str, description: str, publish: str | None) -> list[RunResult]:
     """The table, CSV and plots of the finished runs among ``runs`` (nothing before the first one);
     the table also to ``publish`` if given. Returns the results."""
-    results = [read_result(run.folder, RESULTS_FILE, PRETRAINING_RESULTS_FILE) for run in runs
-               if is_finished(run.folder, RESULTS_FILE)]  # fmt: skip
+    results = [
+        read_result(run.folder, RESULTS_FILE, PRETRAINING_RESULTS_FILE)
+        for run in runs
+        if is_finished(run.folder, RESULTS_FILE)
+    ]
     if not results:
         logger.info("No finished run yet: no table written")
         return results
@@ -35,9 +36,7 @@ def write_outputs(
     summaries = report.summarize(results, order)
     pairs = report.within_backbone_differences(results, order)
     started = [run for run in runs if read_record(run.folder) is not None]
-    unfinished = [
-        f"{run.setting.name} seed {run.seed}" for run in started if not is_finished(run.folder, RESULTS_FILE)
-    ]
+    unfinished = [f"{run.setting.name} seed {run.seed}" for run in started if not is_finished(run.folder, RESULTS_FILE)]
     description = f"{description.rstrip()} {report.code_sentence(results)}"
     os.makedirs(output_dir, exist_ok=True)
     report.write_markdown(os.path.join(output_dir, TABLE_FILE), description, summaries, unfinished, pairs)
@@ -46,8 +45,9 @@ def write_outputs(
     curves = {name: {} for name in order}
     for run in runs:
         curves[run.setting.name][run.seed] = loss_curve(run.folder)
-    plots.plot_loss_curves({name: seeds for name, seeds in curves.items() if any(seeds.values())},
-                           os.path.join(output_dir, CURVES_FILE))  # fmt: skip
+    plots.plot_loss_curves(
+        {name: seeds for name, seeds in curves.items() if any(seeds.values())}, os.path.join(output_dir, CURVES_FILE)
+    )
     if publish:
         create_folder_of(publish)
         report.write_markdown(publish, description, summaries, unfinished, pairs)

@@ -19,8 +19,8 @@ import csv
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from ..labels import config_label
 from .plan import RunSpec
@@ -28,10 +28,27 @@ from .runs import AP_METRICS, NOT_RECORDED, RunResult
 
 # What is averaged: the AP columns, then the cost, the end of the learning curve, the backbone's top-1, the
 # iterations of a backbone stopped at a top-1 and the share of backbones that never reached theirs.
-SUMMARY_COLUMNS = (*AP_METRICS, "wall_s", "s_per_iter", "final_loss", "backbone_top1", "backbone_iterations",
-                   "backbone_short_of_stop")  # fmt: skip
-CSV_COLUMNS = ("kind", "setting", "backbone", "head", "batch_average", "seed", "runs", "iterations",
-               *SUMMARY_COLUMNS, "folder")  # fmt: skip
+SUMMARY_COLUMNS = (
+    *AP_METRICS,
+    "wall_s",
+    "s_per_iter",
+    "final_loss",
+    "backbone_top1",
+    "backbone_iterations",
+    "backbone_short_of_stop",
+)
+CSV_COLUMNS = (
+    "kind",
+    "setting",
+    "backbone",
+    "head",
+    "batch_average",
+    "seed",
+    "runs",
+    "iterations",
+    *SUMMARY_COLUMNS,
+    "folder",
+)
 # markdown column -> summary column, for the value columns
 _TABLE_VALUES = {"box AP": "box_AP", "box AP50": "box_AP50", "mask AP": "mask_AP", "mask AP50": "mask_AP50"}
 _DIFFERENCE_VALUES = {"box AP": "box_AP", "mask AP": "mask_AP"}
@@ -113,12 +130,23 @@ def within_backbone_differences(results: Sequence[RunResult], order: Sequence[st
     seeds = sorted({r.seed for r in results})
     pairs = []
     for i, baseline in enumerate(order):
-        for setting in order[i + 1:]:
-            shared = [seed for seed in seeds if (setting, seed) in runs and (baseline, seed) in runs
-                      and runs[setting, seed].weights and runs[setting, seed].weights == runs[baseline, seed].weights]  # fmt: skip
+        for setting in order[i + 1 :]:
+            shared = [
+                seed
+                for seed in seeds
+                if (setting, seed) in runs
+                and (baseline, seed) in runs
+                and runs[setting, seed].weights
+                and runs[setting, seed].weights == runs[baseline, seed].weights
+            ]
             if shared:
-                differences = {column: tuple(run_value(runs[setting, seed], column) - run_value(runs[baseline, seed], column)
-                                             for seed in shared) for column in _DIFFERENCE_VALUES.values()}  # fmt: skip
+                differences = {
+                    column: tuple(
+                        run_value(runs[setting, seed], column) - run_value(runs[baseline, seed], column)
+                        for seed in shared
+                    )
+                    for column in _DIFFERENCE_VALUES.values()
+                }
                 pairs.append(PairedDifference(setting, baseline, tuple(shared), differences))
     return pairs
 
@@ -162,8 +190,18 @@ def markdown_table(summaries: Sequence[SettingSummary]) -> str:
     where backbones never reached it."""
     top1 = any(not math.isnan(s.mean["backbone_top1"]) for s in summaries)
     stopped = any(not math.isnan(s.mean["backbone_iterations"]) for s in summaries)
-    header = ["setting", "backbone", "FPN + heads", "test statistics", "runs", *(["backbone top-1"] if top1 else []),
-              *(["backbone iterations"] if stopped else []), *_TABLE_VALUES, "s/iter", "min/run"]  # fmt: skip
+    header = [
+        "setting",
+        "backbone",
+        "FPN + heads",
+        "test statistics",
+        "runs",
+        *(["backbone top-1"] if top1 else []),
+        *(["backbone iterations"] if stopped else []),
+        *_TABLE_VALUES,
+        "s/iter",
+        "min/run",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s in summaries:
         values = [format_mean_std(s.mean[column], s.std[column]) for column in _TABLE_VALUES.values()]
@@ -186,26 +224,40 @@ def markdown_table(summaries: Sequence[SettingSummary]) -> str:
 def differences_table(pairs: Sequence[PairedDifference]) -> str:
     """The *within a backbone* table: per pair, mean ± std of the paired differences, and in how many
     seeds the setting was ahead."""
-    header = ["setting − baseline", "seeds", *(f"{name} difference" for name in _DIFFERENCE_VALUES),
-              *(f"{name} ahead in" for name in _DIFFERENCE_VALUES)]  # fmt: skip
+    header = [
+        "setting − baseline",
+        "seeds",
+        *(f"{name} difference" for name in _DIFFERENCE_VALUES),
+        *(f"{name} ahead in" for name in _DIFFERENCE_VALUES),
+    ]
     lines = [
-        "#### Within a backbone", "",
-        ("Each seed's run of a setting minus the same seed's run of a baseline that started from the same "
-        "pretrained weights, so that the backbone's draw cancels (where every seed started from one backbone, "
-        "the differences are that backbone's): mean ± sample standard deviation of those differences over "
-        "the seeds, and in how many of them the setting was ahead."), "",
-        "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-    ]  # fmt: skip
+        "#### Within a backbone",
+        "",
+        (
+            "Each seed's run of a setting minus the same seed's run of a baseline that started from the same "
+            "pretrained weights, so that the backbone's draw cancels (where every seed started from one backbone, "
+            "the differences are that backbone's): mean ± sample standard deviation of those differences over "
+            "the seeds, and in how many of them the setting was ahead."
+        ),
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
     for pair in pairs:
         spreads, ahead = [], []
         for column in _DIFFERENCE_VALUES.values():
             mean, std = pair.mean_std(column)
-            spreads.append("–" if math.isnan(mean) else f"{mean:+.1f}" if math.isnan(std) else f"{mean:+.1f} ± {std:.1f}")
+            spreads.append(
+                "–" if math.isnan(mean) else f"{mean:+.1f}" if math.isnan(std) else f"{mean:+.1f} ± {std:.1f}"
+            )
             # a NaN AP (no detection at all) is neither ahead nor behind: counted out
             finite = [d for d in pair.differences[column] if not math.isnan(d)]
             ahead.append(f"{sum(d > 0 for d in finite)} of {len(finite)}")
-        lines.append(f"| {pair.setting} − {pair.baseline} | {', '.join(map(str, pair.seeds))} | "
-                     + " | ".join([*spreads, *ahead]) + " |")  # fmt: skip
+        lines.append(
+            f"| {pair.setting} − {pair.baseline} | {', '.join(map(str, pair.seeds))} | "
+            + " | ".join([*spreads, *ahead])
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -225,8 +277,13 @@ def code_sentence(results: Sequence[RunResult]) -> str:
     return f"*Code* (of each run's attempts; another commit rounds differently, like another seed): {parts}."
 
 
-def write_markdown(path: str, description: str, summaries: Sequence[SettingSummary], unfinished: Sequence[str],
-                   pairs: Sequence[PairedDifference] = ()) -> None:  # fmt: skip
+def write_markdown(
+    path: str,
+    description: str,
+    summaries: Sequence[SettingSummary],
+    unfinished: Sequence[str],
+    pairs: Sequence[PairedDifference] = (),
+) -> None:
     """``description`` (a paragraph), the table, the runs that were started but did not finish, and the
     differences within a backbone, if any."""
     text = description.strip() + "\n\n" + markdown_table(summaries)
@@ -246,18 +303,40 @@ def write_csv(path: str, results: Sequence[RunResult], summaries: Sequence[Setti
         for r in results:
             common = {"backbone": r.backbone, "head": r.head, "batch_average": r.batch_average}
             values = {column: run_value(r, column) for column in SUMMARY_COLUMNS}
-            writer.writerow({"kind": "run", "setting": r.setting, **common, "seed": r.seed, "runs": 1,
-                             "iterations": r.iterations, **values, "folder": r.folder})  # fmt: skip
+            writer.writerow(
+                {
+                    "kind": "run",
+                    "setting": r.setting,
+                    **common,
+                    "seed": r.seed,
+                    "runs": 1,
+                    "iterations": r.iterations,
+                    **values,
+                    "folder": r.folder,
+                }
+            )
         for s in summaries:
-            common = {"setting": s.setting, "backbone": s.backbone, "head": s.head, "batch_average": s.batch_average,
-                      "seed": "", "runs": s.runs, "iterations": s.iterations, "folder": ""}  # fmt: skip
+            common = {
+                "setting": s.setting,
+                "backbone": s.backbone,
+                "head": s.head,
+                "batch_average": s.batch_average,
+                "seed": "",
+                "runs": s.runs,
+                "iterations": s.iterations,
+                "folder": "",
+            }
             writer.writerow({"kind": "mean", **common, **s.mean})
             writer.writerow({"kind": "std", **common, **s.std})
 
 
 def describe(
-    cfg, config_file: str, runs: Sequence[RunSpec], backbones: Optional[tuple[str, dict]] = None,
-    backbone_seeds: bool = False, stop_top1: Optional[float] = None,
+    cfg,
+    config_file: str,
+    runs: Sequence[RunSpec],
+    backbones: tuple[str, dict] | None = None,
+    backbone_seeds: bool = False,
+    stop_top1: float | None = None,
 ) -> str:
     """The paragraph above the results table: what was trained and evaluated, and how to read it;
     ``stop_top1``: the top-1 ``--stop-top1`` put in place of the ``backbones`` file's."""
@@ -270,23 +349,29 @@ def describe(
     if finetuned:
         tool += " --finetune"
         init = (
-            f"finetuned (stages up to res{cfg.MODEL.BACKBONE.FREEZE_AT} frozen) from a ResNet-{cfg.MODEL.RESNETS.DEPTH} "
+            f"finetuned (stages up to res{cfg.MODEL.BACKBONE.FREEZE_AT} frozen) "
+            f"from a ResNet-{cfg.MODEL.RESNETS.DEPTH} "
             f"pretrained with the backbone's norm (FrozenBN: BN) on classification (`{cfg.PRETRAIN.DATA}`, "
             f"{cfg.PRETRAIN.MAX_ITER} iterations at batch {cfg.PRETRAIN.IMS_PER_BATCH}, {cfg.PRETRAIN.IMAGE_SIZE} px; "
             "`tools/pretrain_backbone.py`)"
         )
         if backbones:
             path, best = backbones
-            chosen = "; ".join(f"{norm}: " + ", ".join(f"{key} {value}" for key, value in overrides.items())
-                               for norm, overrides in best.items())  # fmt: skip
-            replaced = f", its PRETRAIN.STOP_TOP1 replaced by `--stop-top1 {stop_top1:g}`" if stop_top1 is not None else ""
+            chosen = "; ".join(
+                f"{norm}: " + ", ".join(f"{key} {value}" for key, value in overrides.items())
+                for norm, overrides in best.items()
+            )
+            replaced = (
+                f", its PRETRAIN.STOP_TOP1 replaced by `--stop-top1 {stop_top1:g}`" if stop_top1 is not None else ""
+            )
             init += f", each norm with its PRETRAIN setting in `{path}`{replaced} (`tools/pretrain_grid.py`: {chosen})"
         init += (
             "; each seed from a backbone pretrained with that seed (`--backbone-seeds`: the spread includes the "
-            "backbone's draw)," if backbone_seeds else
-            f"; every seed from the one backbone pretrained with SEED {cfg.SEED} (the spread is the finetuning's "
+            "backbone's draw),"
+            if backbone_seeds
+            else f"; every seed from the one backbone pretrained with SEED {cfg.SEED} (the spread is the finetuning's "
             "only),"
-        )  # fmt: skip
+        )
     title = "Norm settings compared on this machine"
     if finetuned and backbones:
         title = f"Norm settings finetuned from the backbones of `{os.path.basename(backbones[0])}`"
@@ -306,8 +391,12 @@ def describe(
         "it replaces the moving average, as detectron2's PreciseBN would); *–*: the setting has none. "
         "s/iter (median over training) and min/run (start-up, training, batch average and evaluation) are "
         f"wall-clock times on {os.cpu_count()} CPU cores, noisy where other work shared the machine."
-        + (" *Backbone top-1*, where known: the val top-1 of the pretrained backbone the runs started from (one "
-           "figure where every seed started from the same one); *backbone iterations*, where a backbone stopped at "
-           "a top-1 (PRETRAIN.STOP_TOP1): the pretraining iterations it took; *short of the top-1*: backbones that "
-           "never reached it and trained their whole schedule." if finetuned else "")
+        + (
+            " *Backbone top-1*, where known: the val top-1 of the pretrained backbone the runs started from (one "
+            "figure where every seed started from the same one); *backbone iterations*, where a backbone stopped at "
+            "a top-1 (PRETRAIN.STOP_TOP1): the pretraining iterations it took; *short of the top-1*: backbones that "
+            "never reached it and trained their whole schedule."
+            if finetuned
+            else ""
+        )
     )

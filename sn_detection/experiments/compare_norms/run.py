@@ -8,7 +8,7 @@ import logging
 import os
 import subprocess
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from detectron2.config import CfgNode
 
@@ -35,8 +35,14 @@ logger = logging.getLogger(__name__)
 TRAIN_LOG = "train_net.log"
 
 
-def make_backbones(configs: dict[tuple[str, int], CfgNode], output_dir: str, config_file: str, opts: Sequence[str],
-                   best: Optional[dict[str, dict]] = None, jobs: int = 1) -> list[CfgNode]:  # fmt: skip
+def make_backbones(
+    configs: dict[tuple[str, int], CfgNode],
+    output_dir: str,
+    config_file: str,
+    opts: Sequence[str],
+    best: dict[str, dict] | None = None,
+    jobs: int = 1,
+) -> list[CfgNode]:
     """Pretrain the backbones of ``backbone_configs`` that are not cached yet, each once, as backbone jobs
     (``jobs.execute_job``), ``jobs`` at a time, in ``output_dir``/backbones/<cache folder>: checkpointed,
     so that a sweep killed there resumes them. ``config_file``, ``opts`` and ``best`` (``--backbones``) are
@@ -51,14 +57,26 @@ def make_backbones(configs: dict[tuple[str, int], CfgNode], output_dir: str, con
     def run(config: CfgNode) -> bool:
         norm, cache, folder = pretrained_norm(config), cached_backbone_folder(config), folder_of(config)
         overrides = (best or {}).get(norm, {})
-        logger.info("Backbone %s (pretrained with %s, SEED %d, %d iterations): made once, then cached (log: %s)",
-                    name(config), norm, config.SEED, trained_iterations(config), os.path.join(folder, JOB_LOG))  # fmt: skip
+        logger.info(
+            "Backbone %s (pretrained with %s, SEED %d, %d iterations): made once, then cached (log: %s)",
+            name(config),
+            norm,
+            config.SEED,
+            trained_iterations(config),
+            os.path.join(folder, JOB_LOG),
+        )
         keys = [*opts, *override_list(overrides), "SEED", str(config.SEED)]
         record = {"norm": norm, "overrides": overrides, "seed": config.SEED, "cache_folder": cache}
         return execute_job(backbone_command(config_file, keys, norm, folder, cache), folder, record, jobs)
 
-    return run_jobs(backbones_to_make(configs), run, jobs, done=is_cached, name=name,
-                    log_of=lambda config: os.path.join(folder_of(config), JOB_LOG))  # fmt: skip
+    return run_jobs(
+        backbones_to_make(configs),
+        run,
+        jobs,
+        done=is_cached,
+        name=name,
+        log_of=lambda config: os.path.join(folder_of(config), JOB_LOG),
+    )
 
 
 def execute(run: RunSpec, jobs: int = 1) -> bool:
@@ -77,15 +95,20 @@ def execute(run: RunSpec, jobs: int = 1) -> bool:
         with open(os.path.join(run.folder, TRAIN_LOG), "a") as log:
             returncode = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     finally:
-        attempt = {"wall_s": round(time.perf_counter() - start, 1), "returncode": returncode, "resumed": resumed,
-                   "threads": threads_of(env), "code": code}  # fmt: skip
+        attempt = {
+            "wall_s": round(time.perf_counter() - start, 1),
+            "returncode": returncode,
+            "resumed": resumed,
+            "threads": threads_of(env),
+            "code": code,
+        }
         record["attempts"].append(attempt)
         write_record(run.folder, record)
     return returncode == 0 and is_finished(run.folder, RESULTS_FILE)
 
 
 def run_sweep(
-    runs: Sequence[RunSpec], report_after_each: Optional[Callable[[], object]] = None, jobs: int = 1
+    runs: Sequence[RunSpec], report_after_each: Callable[[], object] | None = None, jobs: int = 1
 ) -> list[RunSpec]:
     """Runs every unfinished run, ``jobs`` at a time in the order of ``runs`` (``check_folders(runs)``
     first); returns the runs that failed, in that order. ``report_after_each()`` is called after each
@@ -110,6 +133,13 @@ def run_sweep(
         return f"box AP {result.metrics['box_AP']:.1f}, mask AP {result.metrics['mask_AP']:.1f}, {result.wall_s:.0f} s"
 
     # execute() returns whether the run finished: nothing more to check once it has
-    return run_jobs(todo, train, jobs, done=lambda run: True, name=lambda run: labels[run.folder],
-                    log_of=lambda run: os.path.join(run.folder, TRAIN_LOG), after_each=report_after_each,
-                    outcome=outcome)  # fmt: skip
+    return run_jobs(
+        todo,
+        train,
+        jobs,
+        done=lambda run: True,
+        name=lambda run: labels[run.folder],
+        log_of=lambda run: os.path.join(run.folder, TRAIN_LOG),
+        after_each=report_after_each,
+        outcome=outcome,
+    )

@@ -13,8 +13,8 @@ import json
 import math
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ...pretraining.top1_stop import reached_stop
 

@@ -8,8 +8,8 @@ import logging
 import math
 import os
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 from detectron2.config import CfgNode
 
@@ -41,14 +41,24 @@ class Cell:
 
     @property
     def setting(self) -> str:
-        names = {"PRETRAIN.BASE_LR": "LR", "PRETRAIN.WARMUP_ITERS": "warm-up", "PRETRAIN.STOP_ITER": "stopped at",
-                 "PRETRAIN.STOP_TOP1": "stopped at top-1", "PRETRAIN.EVAL_PERIOD": "evaluated every"}  # fmt: skip
+        names = {
+            "PRETRAIN.BASE_LR": "LR",
+            "PRETRAIN.WARMUP_ITERS": "warm-up",
+            "PRETRAIN.STOP_ITER": "stopped at",
+            "PRETRAIN.STOP_TOP1": "stopped at top-1",
+            "PRETRAIN.EVAL_PERIOD": "evaluated every",
+        }
         return ", ".join(f"{names.get(key, key)} {value}" for key, value in self.overrides)
 
     @property
     def name(self) -> str:
-        short = {"PRETRAIN.BASE_LR": "lr", "PRETRAIN.WARMUP_ITERS": "warmup", "PRETRAIN.STOP_ITER": "stop",
-                 "PRETRAIN.STOP_TOP1": "top1-", "PRETRAIN.EVAL_PERIOD": "eval"}  # fmt: skip
+        short = {
+            "PRETRAIN.BASE_LR": "lr",
+            "PRETRAIN.WARMUP_ITERS": "warmup",
+            "PRETRAIN.STOP_ITER": "stop",
+            "PRETRAIN.STOP_TOP1": "top1-",
+            "PRETRAIN.EVAL_PERIOD": "eval",
+        }
         return "-".join([self.norm, *(f"{short.get(key, key)}{value}" for key, value in self.overrides)])
 
 
@@ -82,7 +92,7 @@ def parse_values(text: str, option: str, kind, rule: str, is_valid) -> list:
     return values
 
 
-def plan_cells(norms: Sequence[str], lrs: Sequence[float], warmups: Optional[Sequence[int]] = None) -> list[Cell]:
+def plan_cells(norms: Sequence[str], lrs: Sequence[float], warmups: Sequence[int] | None = None) -> list[Cell]:
     """Norms outermost, then LR, then warm-up: a grid cut short has every setting of its first norms."""
     cells = []
     for norm, lr in itertools.product(norms, lrs):
@@ -111,8 +121,9 @@ def plan_grid(args) -> tuple[CfgNode, list[Cell], dict]:
             f"end only) or >= {LOG_PERIOD}"
         )
     if args.target_top1 is not None and period == 0:
-        logger.info("PRETRAIN.EVAL_PERIOD is 0: iterations to %g %% are known only at the end of training",
-                    args.target_top1)  # fmt: skip
+        logger.info(
+            "PRETRAIN.EVAL_PERIOD is 0: iterations to %g %% are known only at the end of training", args.target_top1
+        )
     cells = plan_cells(args.norms, args.lrs, args.warmups)
     configs = {cell: cell_cfg(cfg, cell) for cell in cells}
     return cfg, cells, configs
@@ -152,8 +163,15 @@ def measured_step_seconds(cfg: CfgNode, steps: int, threads: int) -> float:
         torch.set_num_threads(previous)
 
 
-def estimate(cells_to_run, results, configs, jobs: int, steps: int, done: Callable[[Cell], int] = lambda cell: 0,
-             iterations: Optional[Callable[[Cell], int]] = None) -> tuple[float, dict[str, tuple[float, str]]]:  # fmt: skip
+def estimate(
+    cells_to_run,
+    results,
+    configs,
+    jobs: int,
+    steps: int,
+    done: Callable[[Cell], int] = lambda cell: 0,
+    iterations: Callable[[Cell], int] | None = None,
+) -> tuple[float, dict[str, tuple[float, str]]]:
     """(estimated wall seconds of ``cells_to_run``, per norm (s/iter, what it is based on)); NaN where a
     norm has no basis (no finished cell and ``steps`` 0). ``done``: the iterations a cell has checkpointed,
     which it does not run again; ``iterations``: those it trains in all (default: its config's)."""
@@ -178,17 +196,30 @@ def threads_per_job(jobs: int) -> int:
     return threads_of(child_environment(jobs))
 
 
-def print_estimate(what: str, todo: Sequence[Cell], results: dict, configs: dict, args,
-                   iterations: Optional[dict] = None, stop: str = "") -> None:  # fmt: skip
+def print_estimate(
+    what: str, todo: Sequence[Cell], results: dict, configs: dict, args, iterations: dict | None = None, stop: str = ""
+) -> None:
     """``estimate`` printed; ``iterations`` ({cell: iterations it trains}, default its config's): ``stop``
     says where those come from."""
-    done = {cell: checkpointed_iterations(os.path.join(cell_folder(args.output_dir, cell), WORK_FOLDER)) for cell in todo}
-    seconds, basis = estimate(todo, list(results.values()), configs, args.jobs, args.estimate_steps, done.__getitem__,
-                              iterations.__getitem__ if iterations else None)  # fmt: skip
+    done = {
+        cell: checkpointed_iterations(os.path.join(cell_folder(args.output_dir, cell), WORK_FOLDER)) for cell in todo
+    }
+    seconds, basis = estimate(
+        todo,
+        list(results.values()),
+        configs,
+        args.jobs,
+        args.estimate_steps,
+        done.__getitem__,
+        iterations.__getitem__ if iterations else None,
+    )
     resumed = ", ".join(f"{cell.name} after {done[cell]}" for cell in todo if done[cell])
-    print(f"Estimated wall time of {what}: {format_duration(seconds)} = the sum over cells of s/iter x their "
-          f"iterations still to run{f' ({stop})' if stop else ''}{f' (resumed: {resumed})' if resumed else ''}, / "
-          f"{min(args.jobs, len(todo))} "
-          "job(s) at once; start-up, batch average and evaluations not included. s/iter per norm:", flush=True)  # fmt: skip
+    print(
+        f"Estimated wall time of {what}: {format_duration(seconds)} = the sum over cells of s/iter x their "
+        f"iterations still to run{f' ({stop})' if stop else ''}{f' (resumed: {resumed})' if resumed else ''}, / "
+        f"{min(args.jobs, len(todo))} "
+        "job(s) at once; start-up, batch average and evaluations not included. s/iter per norm:",
+        flush=True,
+    )
     for norm, (per_iter, source) in basis.items():
         print(f"  {norm}: {per_iter:.3f} s/iter ({source})", flush=True)

@@ -11,6 +11,7 @@ from ..jobs import write_json
 
 BEST_FILE, EQUAL_FILE = "best.json", "equal_top1.json"
 
+
 def published_settings(publish: str) -> dict[str, str]:
     """The settings files written beside a published table ``publish`` (``--publish``): {output file name
     (BEST_FILE, EQUAL_FILE): its published path}, ``publish`` with ``.best.json`` or ``.equal_top1.json``

@@ -7,7 +7,7 @@ from __future__ import annotations
 import csv
 import os
 import statistics
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from detectron2.config import CfgNode
 
@@ -23,7 +23,7 @@ NOT_REACHED = "not reached"
 CSV_COLUMNS = ("norm", "setting", "best", "val_top1", "iterations", "wall_s", "s_per_iter", "iterations_to_target")
 
 
-def describe(cfg: CfgNode, config_file: str, cells: Sequence[Cell], target: Optional[float]) -> str:
+def describe(cfg: CfgNode, config_file: str, cells: Sequence[Cell], target: float | None) -> str:
     varied = ", ".join(dict.fromkeys(key for cell in cells for key, _ in cell.overrides))
     batches = cfg.PRETRAIN.BATCH_AVERAGE_BATCHES
     statistics_text = f"after the batch average over {batches} batches" if batches else "with the moving averages"
@@ -46,20 +46,20 @@ def describe(cfg: CfgNode, config_file: str, cells: Sequence[Cell], target: Opti
     return text
 
 
-def _reach_text(reached: Optional[int], result: dict) -> str:
+def _reach_text(reached: int | None, result: dict) -> str:
     if reached is None:
         return NOT_REACHED
     return f"{reached}" if result["evaluated_throughout"] else f"≤ {reached} (evaluated at the end only)"
 
 
-def _top1_text(result: Optional[dict], best: bool) -> str:
+def _top1_text(result: dict | None, best: bool) -> str:
     if result is None:
         return "–"
     text = f"{result['val_top1']:.1f} % ({format_duration(result['wall_s'])})"
     return f"**{text}**" if best else text
 
 
-def markdown(description: str, cells: Sequence[Cell], results: dict, target: Optional[float]) -> str:
+def markdown(description: str, cells: Sequence[Cell], results: dict, target: float | None) -> str:
     best = settled_best_cells(cells, results)  # as best.json: a norm with cells to run has no best yet
     settings = list(dict.fromkeys(cell.setting for cell in cells))
     norms = list(dict.fromkeys(cell.norm for cell in cells))
@@ -82,8 +82,10 @@ def markdown(description: str, cells: Sequence[Cell], results: dict, target: Opt
             row += " |" if target is not None else ""
         else:
             mark = " (best)" if best.get(cell.norm) is result else ""
-            row = (f"| {cell.norm} | {cell.setting}{mark} | {result['val_top1']:.2f} % | {result['iterations']} | "
-                   f"{format_duration(result['wall_s'])} | {result['s_per_iter']:.3f} |")  # fmt: skip
+            row = (
+                f"| {cell.norm} | {cell.setting}{mark} | {result['val_top1']:.2f} % | {result['iterations']} | "
+                f"{format_duration(result['wall_s'])} | {result['s_per_iter']:.3f} |"
+            )
             if target is not None:
                 row += f" {_reach_text(result['iterations_to_target'], result)} |"
         lines.append(row)
@@ -95,15 +97,20 @@ def draws_markdown(draws: dict[str, dict[int, float]], settled: dict[str, dict])
     cell_seed = next(iter(next(iter(draws.values()))))
     seeds = [cell_seed, *sorted({seed for found in draws.values() for seed in found} - {cell_seed})]
     lines = [
-        "#### Each norm's best setting, drawn again", "",
-        "The backbone of each norm's best setting pretrained again with another SEED (the same recipe, another "
-        "initialisation and data order), as `tools/compare_norms.py --finetune --backbone-seeds` makes it, where "
-        "the cache has it: val top-1, then mean ± sample standard deviation over the draws. A difference between "
-        "cells within about that spread is one a single draw per cell cannot tell.", "",
-        "| norm | setting | " + " | ".join(f"SEED {s}{' (the cell)' if s == cell_seed else ''}" for s in seeds)
+        "#### Each norm's best setting, drawn again",
+        "",
+        (
+            "The backbone of each norm's best setting pretrained again with another SEED (the same recipe, another "
+            "initialisation and data order), as `tools/compare_norms.py --finetune --backbone-seeds` makes it, where "
+            "the cache has it: val top-1, then mean ± sample standard deviation over the draws. A difference between "
+            "cells within about that spread is one a single draw per cell cannot tell."
+        ),
+        "",
+        "| norm | setting | "
+        + " | ".join(f"SEED {s}{' (the cell)' if s == cell_seed else ''}" for s in seeds)
         + " | mean ± std |",
         "|---" * (len(seeds) + 3) + "|",
-    ]  # fmt: skip
+    ]
     for norm, found in draws.items():
         values = " | ".join(f"{found[s]:.2f} %" if s in found else "–" for s in seeds)
         spread = f"{statistics.mean(found.values()):.1f} ± {statistics.stdev(found.values()):.1f} %"
@@ -111,22 +118,27 @@ def draws_markdown(draws: dict[str, dict[int, float]], settled: dict[str, dict])
     return "\n".join(lines) + "\n"
 
 
-def equal_markdown(target: float, equal: dict[str, Cell], not_reached: Sequence[str], results: dict,
-                   settled: dict[str, dict]) -> str:
+def equal_markdown(
+    target: float, equal: dict[str, Cell], not_reached: Sequence[str], results: dict, settled: dict[str, dict]
+) -> str:
     """The ``--equal-top1`` table: per norm, the iterations its best setting needed to reach ``target``."""
     lines = [
-        f"#### Trained to {target:g} % (`--equal-top1`)", "",
-        f"Each norm's best setting trained again with PRETRAIN.STOP_TOP1 {target:g}: it stops at the first "
-        f"evaluation (with the moving averages, every PRETRAIN.EVAL_PERIOD of its setting) at which val top-1 "
-        f"reached {target:g} %; evaluated as often as its grid cell, the same run, that is where the cell first "
-        "did. Then it is batch-averaged and evaluated as every cell is. Where the grid cell "
-        f"reached {target:g} % only at its end, its backbone is copied: the same run would end alike; where the "
-        "cell kept its model at the evaluation that first reached it (PRETRAIN.KEEP_EVALUATED_MODELS), that "
-        "model is batch-averaged and evaluated, without training. `equal_top1.json` (published beside this "
-        "table) holds these settings for `tools/compare_norms.py --finetune --backbones`.", "",
+        f"#### Trained to {target:g} % (`--equal-top1`)",
+        "",
+        (
+            f"Each norm's best setting trained again with PRETRAIN.STOP_TOP1 {target:g}: it stops at the first "
+            f"evaluation (with the moving averages, every PRETRAIN.EVAL_PERIOD of its setting) at which val top-1 "
+            f"reached {target:g} %; evaluated as often as its grid cell, the same run, that is where the cell first "
+            "did. Then it is batch-averaged and evaluated as every cell is. Where the grid cell "
+            f"reached {target:g} % only at its end, its backbone is copied: the same run would end alike; where the "
+            "cell kept its model at the evaluation that first reached it (PRETRAIN.KEEP_EVALUATED_MODELS), that "
+            "model is batch-averaged and evaluated, without training. `equal_top1.json` (published beside this "
+            "table) holds these settings for `tools/compare_norms.py --finetune --backbones`."
+        ),
+        "",
         f"| norm | setting | iterations to {target:g} % | top-1 there (grid cell) | val top-1 | wall |",
         "|---|---|---|---|---|---|",
-    ]  # fmt: skip
+    ]
     for norm, cell in equal.items():
         best = settled[norm]
         expected = iterations_to_reach(best["top1_curve"], target)
@@ -142,8 +154,10 @@ def equal_markdown(target: float, equal: dict[str, Cell], not_reached: Sequence[
         at = f"{dict(best['top1_curve'])[expected]:.2f} %" if known else "–"
         lines.append(f"| {norm} | {best['setting']} | {trained} | {at} | {done} |")
     for norm in not_reached:
-        lines.append(f"| {norm} | {settled[norm]['setting']} | {NOT_REACHED} in {settled[norm]['iterations']} | "
-                     f"best {settled[norm]['val_top1']:.2f} % | | |")  # fmt: skip
+        lines.append(
+            f"| {norm} | {settled[norm]['setting']} | {NOT_REACHED} in {settled[norm]['iterations']} | "
+            f"best {settled[norm]['val_top1']:.2f} % | | |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -158,22 +172,28 @@ def _draw_text(results: dict) -> str:
     return f"{results['iterations']}{stop}, {results['val_top1']:.1f} %"
 
 
-def equal_draws_markdown(target: float, draws: dict[str, dict[int, dict]], settled: dict[str, dict],
-                         cell_seed: int) -> str:  # fmt: skip
+def equal_draws_markdown(
+    target: float, draws: dict[str, dict[int, dict]], settled: dict[str, dict], cell_seed: int
+) -> str:
     """The table of the equal-top-1 settings' draws (``cell_draws``; the cell's own is SEED ``cell_seed``):
     how many iterations each needed."""
     seeds = [cell_seed, *sorted({seed for found in draws.values() for seed in found} - {cell_seed})]
     lines = [
-        f"#### Trained to {target:g} %, drawn again", "",
-        "Each norm's equal-top-1 setting pretrained again with another SEED, as `tools/compare_norms.py --finetune "
-        "--backbone-seeds --backbones equal_top1.json` makes it, where the cache has it: the iterations each draw "
-        f"trained before its top-1 reached {target:g} % (at an evaluation, or *at the end* of its schedule), "
-        f"then its val top-1; mean ± sample standard deviation of the iterations of the draws that reached "
-        f"{target:g} %.", "",
-        "| norm | setting | " + " | ".join(f"SEED {s}{' (the cell)' if s == cell_seed else ''}" for s in seeds)
+        f"#### Trained to {target:g} %, drawn again",
+        "",
+        (
+            "Each norm's equal-top-1 setting pretrained again with another SEED, as `tools/compare_norms.py --finetune "
+            "--backbone-seeds --backbones equal_top1.json` makes it, where the cache has it: the iterations each draw "
+            f"trained before its top-1 reached {target:g} % (at an evaluation, or *at the end* of its schedule), "
+            f"then its val top-1; mean ± sample standard deviation of the iterations of the draws that reached "
+            f"{target:g} %."
+        ),
+        "",
+        "| norm | setting | "
+        + " | ".join(f"SEED {s}{' (the cell)' if s == cell_seed else ''}" for s in seeds)
         + " | iterations, mean ± std |",
         "|---" * (len(seeds) + 3) + "|",
-    ]  # fmt: skip
+    ]
     for norm, found in draws.items():
         values = " | ".join(_draw_text(found[s]) if s in found else "–" for s in seeds)
         stopped = [results["iterations"] for results in found.values() if reached_stop(results)]
@@ -192,10 +212,19 @@ def periodic_settings(cfg: CfgNode) -> dict:
     return {"PRETRAIN.EVAL_PERIOD": cfg.PRETRAIN.EVAL_PERIOD, **keep}
 
 
-def write_outputs(output_dir, description, cells, results, target, publish=None, equal=None,
-                  draws: Optional[Callable[[dict], dict]] = None,
-                  equal_draws: Optional[Callable[[dict], dict]] = None, equal_seed: int = 1,
-                  periodic: Optional[dict] = None) -> dict:  # fmt: skip
+def write_outputs(
+    output_dir,
+    description,
+    cells,
+    results,
+    target,
+    publish=None,
+    equal=None,
+    draws: Callable[[dict], dict] | None = None,
+    equal_draws: Callable[[dict], dict] | None = None,
+    equal_seed: int = 1,
+    periodic: dict | None = None,
+) -> dict:
     """results.md, .csv, .json and best.json (norms whose cells are all done, each with the ``periodic``
     settings: ``periodic_settings``); ``draws`` (settled best cells -> ``best_draws``) adds the table of
     their other draws; with ``equal`` (the ``equal_top1_cells``) also equal_top1.json and their table, and
@@ -229,16 +258,28 @@ def write_outputs(output_dir, description, cells, results, target, publish=None,
         writer.writeheader()
         for result in done:
             reached = result.get("iterations_to_target", "")
-            writer.writerow({**result, "best": settled.get(result["norm"]) is result,
-                             "iterations_to_target": NOT_REACHED if reached is None else reached})  # fmt: skip
-    write_json(os.path.join(output_dir, JSON_FILE), {
-        "cells": [{**result, "best": settled.get(result["norm"]) is result} for result in done],
-        "not_done": [{"norm": cell.norm, "setting": cell.setting} for cell in cells if cell not in results],
-        "best_draws": {norm: {str(seed): top1 for seed, top1 in found.items()} for norm, found in drawn.items()},
-        "target_top1": target,
-        "equal_top1": [results[cell] for cell in equal[0].values() if cell in results] if equal is not None else [],
-        "equal_top1_draws": {norm: {str(seed): {"iterations": r["iterations"], "val_top1": r["val_top1"],
-                                                "reached": reached_stop(r)}
-                                    for seed, r in found.items()} for norm, found in drawn_equal.items()},
-    })  # fmt: skip
+            writer.writerow(
+                {
+                    **result,
+                    "best": settled.get(result["norm"]) is result,
+                    "iterations_to_target": NOT_REACHED if reached is None else reached,
+                }
+            )
+    write_json(
+        os.path.join(output_dir, JSON_FILE),
+        {
+            "cells": [{**result, "best": settled.get(result["norm"]) is result} for result in done],
+            "not_done": [{"norm": cell.norm, "setting": cell.setting} for cell in cells if cell not in results],
+            "best_draws": {norm: {str(seed): top1 for seed, top1 in found.items()} for norm, found in drawn.items()},
+            "target_top1": target,
+            "equal_top1": [results[cell] for cell in equal[0].values() if cell in results] if equal is not None else [],
+            "equal_top1_draws": {
+                norm: {
+                    str(seed): {"iterations": r["iterations"], "val_top1": r["val_top1"], "reached": reached_stop(r)}
+                    for seed, r in found.items()
+                }
+                for norm, found in drawn_equal.items()
+            },
+        },
+    )
     return best_overrides

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from detectron2.config import CfgNode
 
@@ -17,7 +17,8 @@ from ..backbones import DEFAULT_SEEDS, backbone_configs
 from ..jobs import read_job_record, read_json, seconds_per_iteration
 from .plan import Cell, cell_folder
 
-def iterations_to_reach(curve: Sequence[tuple[int, float]], target: float) -> Optional[int]:
+
+def iterations_to_reach(curve: Sequence[tuple[int, float]], target: float) -> int | None:
     """The first evaluated iteration count whose top-1 is at least ``target``; None: not reached."""
     return next((iterations for iterations, top1 in curve if top1 >= target), None)
 
@@ -30,7 +31,7 @@ def evaluated_throughout(curve: Sequence[tuple[int, float]], period: int, iterat
     return period > 0 and all(done in logged for done in range(period, iterations, period))
 
 
-def cell_result(output_dir: str, cell: Cell, cfg: CfgNode, target: Optional[float]) -> Optional[dict]:
+def cell_result(output_dir: str, cell: Cell, cfg: CfgNode, target: float | None) -> dict | None:
     """The result of a done cell (its backbone in the cache), else None."""
     if not is_cached(cfg):
         return None
@@ -73,8 +74,9 @@ def best_cells(results: Sequence[dict]) -> dict[str, dict]:
 def settled_best_cells(cells: Sequence[Cell], results: dict) -> dict[str, dict]:
     """``best_cells`` of the norms whose cells are all done: their best cannot change any more."""
     best = best_cells([results[cell] for cell in cells if cell in results])
-    return {norm: result for norm, result in best.items()
-            if all(cell in results for cell in cells if cell.norm == norm)}  # fmt: skip
+    return {
+        norm: result for norm, result in best.items() if all(cell in results for cell in cells if cell.norm == norm)
+    }
 
 
 def cell_draws(chosen: dict[str, CfgNode], seed: int) -> dict[str, dict[int, dict]]:
@@ -86,23 +88,32 @@ def cell_draws(chosen: dict[str, CfgNode], seed: int) -> dict[str, dict[int, dic
     draws = {}
     for norm, config in chosen.items():
         drawn = backbone_configs({norm: config}, seeds, per_seed=True)
-        found = {drawn_seed: read_json(os.path.join(cached_backbone_folder(config), RESULTS_FILE))
-                 for (_, drawn_seed), config in drawn.items() if is_cached(config)}  # fmt: skip
+        found = {
+            drawn_seed: read_json(os.path.join(cached_backbone_folder(config), RESULTS_FILE))
+            for (_, drawn_seed), config in drawn.items()
+            if is_cached(config)
+        }
         if len(found) > 1:
             draws[norm] = found
     return draws
 
 
-def best_draws(settled: dict[str, dict], cells: Sequence[Cell], configs: dict, seed: int) -> dict[str, dict[int, float]]:
+def best_draws(
+    settled: dict[str, dict], cells: Sequence[Cell], configs: dict, seed: int
+) -> dict[str, dict[int, float]]:
     """Per settled norm with more than one draw in the cache (``cell_draws``), {SEED: val top-1} of its best
     setting's backbones."""
-    chosen = {norm: configs[next(cell for cell in cells if cell.norm == norm and cell.setting == result["setting"])]
-              for norm, result in settled.items()}  # fmt: skip
-    return {norm: {drawn_seed: results["val_top1"] for drawn_seed, results in found.items()}
-            for norm, found in cell_draws(chosen, seed).items()}  # fmt: skip
+    chosen = {
+        norm: configs[next(cell for cell in cells if cell.norm == norm and cell.setting == result["setting"])]
+        for norm, result in settled.items()
+    }
+    return {
+        norm: {drawn_seed: results["val_top1"] for drawn_seed, results in found.items()}
+        for norm, found in cell_draws(chosen, seed).items()
+    }
 
 
-def lowest_best_top1(cells: Sequence[Cell], results: dict, norms: int) -> Optional[float]:
+def lowest_best_top1(cells: Sequence[Cell], results: dict, norms: int) -> float | None:
     """``--equal-top1``'s default target: the lowest of the norms' best val top-1, rounded down to a whole
     percent, so that every norm reaches it; None until all ``norms`` are settled."""
     settled = settled_best_cells(cells, results)
@@ -111,8 +122,9 @@ def lowest_best_top1(cells: Sequence[Cell], results: dict, norms: int) -> Option
     return float(math.floor(min(result["val_top1"] for result in settled.values())))
 
 
-def equal_top1_cells(cells: Sequence[Cell], results: dict, target: float,
-                     eval_period: int) -> tuple[dict[str, Cell], list[str]]:  # fmt: skip
+def equal_top1_cells(
+    cells: Sequence[Cell], results: dict, target: float, eval_period: int
+) -> tuple[dict[str, Cell], list[str]]:
     """``--equal-top1``: per norm with a settled best, that setting with PRETRAIN.STOP_TOP1 ``target``
     checked every ``eval_period`` iterations (the grid's PRETRAIN.EVAL_PERIOD, so that it stops where its
     grid cell first reached ``target``); and the norms whose best never reached it."""
