@@ -2,7 +2,7 @@
 missing or unexpected backbone key and computes the classifier trunk's features; a resumed run equals an
 uninterrupted one; two processes with SyncSN equal one with the concatenated batch; any ImageFolder is
 read; a run stopped at a top-1 is the run cut short there (the cache and the stopped runs made from cached ones:
-test_cache.py, test_top1_stop.py)."""
+test_backbone_cache.py, test_top1_stop.py)."""
 
 import json
 import os
