@@ -83,9 +83,16 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
             mean_bn, var_bn = self._batch_branch(mean_in, var_in, spatial_size)
             offsets.append(mean_bn - mean_in)
             variances.append(var_bn)
-        offset = _mix(self.mean_weight, offsets)
-        var = _mix(self.var_weight, variances)
+        mean_weights, var_weights = self.branch_weights(mean_in.dtype)
+        offset = _mix(mean_weights, offsets)
+        var = _mix(var_weights, variances)
         return affine_from_moments(self.weight, self.bias, offset, var, self.eps)
+
+    def branch_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The importance weights of the branches [IN, LN(, BN)] for the means and for the variances (Eq. 4),
+        in ``dtype``: softmax(mean_weight), softmax(var_weight)."""
+        # in the statistics' dtype even for fp16 logits (model.half())
+        return torch.softmax(self.mean_weight.to(dtype), 0), torch.softmax(self.var_weight.to(dtype), 0)
 
     @torch.jit.unused
     def fused_plan(self, x: Tensor) -> FusedPlan | None:
@@ -141,9 +148,8 @@ def _several_processes() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _mix(logits: Tensor, statistics: list[Tensor]) -> Tensor:
-    """sum_k softmax(logits)_k * statistics_k, broadcasting (N, C), (N, 1) and (C,) to (N, C)."""
-    weights = torch.softmax(logits.to(statistics[0].dtype), 0)  # fp32 even for fp16 logits (model.half())
+def _mix(weights: Tensor, statistics: list[Tensor]) -> Tensor:
+    """sum_k weights_k * statistics_k, broadcasting (N, C), (N, 1) and (C,) to (N, C)."""
     mixed = weights[0] * statistics[0]
     for k in range(1, len(statistics)):  # a loop TorchScript compiles (it takes no generator)
         mixed = mixed + weights[k] * statistics[k]

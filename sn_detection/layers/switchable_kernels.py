@@ -712,8 +712,8 @@ class SwitchableClosedForms:
 
     def forward(self, layer, parameters, moments):
         mean, var = moments[0], moments[1]
-        weight, bias, mean_weight, var_weight = parameters
-        a, b = torch.softmax(torch.stack([mean_weight, var_weight]).to(mean.dtype), 1)
+        weight, bias = parameters[:2]
+        a, b = layer.branch_weights(mean.dtype)
         mu_ln = mean.mean(1, keepdim=True)
         to_ln = mu_ln - mean
         var_ln = var.mean(1, keepdim=True) + to_ln.square().mean(1, keepdim=True)
