@@ -73,7 +73,7 @@ from torch import Tensor, nn
 
 from . import map_passes
 from .dynamic_kernels import DynamicKernels
-from .moment_normalizer import MomentNormalizer, affine_from_moments
+from .moment_normalizer import MomentNormalizer, affine_from_moments, per_channel
 from .options import BOOLEAN, MOMENTUM, POSITIVE, POSITIVE_INT, Rule
 from .running import RunningMoments, group_sums, moments_from_sums
 
@@ -209,12 +209,12 @@ class DynamicNorm2d(MomentNormalizer, RunningMoments):
 
     def scale_and_shift(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         """The per-(n, c) scale and shift this layer applies, y = (x - mean_in) * scale + shift, from the IN
-        mean and variance (N, C) of an input with ``spatial_size`` = H * W; updates the running statistics
-        in training."""
+        mean and variance of an input with ``spatial_size`` = H * W, each (N, C) or, in evaluation,
+        (N, C, 1, 1); updates the running statistics in training."""
         mean, var = self._pool_batch(mean_in, var_in, spatial_size)
         mean, var = self._pool_channels(mean, var)
-        weight, bias = self.weight.to(mean.dtype), self.bias.to(mean.dtype)
-        return affine_from_moments(weight, bias, mean - mean_in, var, self.eps)
+        weight, bias = per_channel(self.weight, mean_in), per_channel(self.bias, mean_in)
+        return affine_from_moments(weight, bias, mean - mean_in, var + self.eps)
 
     @torch.jit.unused
     def fused_plan(self, x: Tensor) -> DynamicKernels | None:
@@ -231,21 +231,21 @@ class DynamicNorm2d(MomentNormalizer, RunningMoments):
             target_mean, target_var = moments_from_sums(sums)
             target_mean, target_var = target_mean.to(mean.dtype), target_var.to(mean.dtype)
         else:
-            target_mean = self.running_mean.to(mean.dtype)
-            target_var = self.running_var.to(mean.dtype)
+            target_mean = per_channel(self.running_mean, mean)
+            target_var = per_channel(self.running_var, mean)
         gate = _straight_through_gate(self.batch_gate).to(mean.dtype)
         return _mixture_moments(mean, var, gate, target_mean, target_var)
 
     def _pool_channels(self, mean: Tensor, var: Tensor):
         """Apply V: one gated 2x2 (or r x r) averaging factor per channel sub-axis."""
-        rows = mean.shape[0]
+        shape, rows = mean.shape, mean.shape[0]
         mean = mean.reshape([rows] + self._subaxis_shape)
         var = var.reshape([rows] + self._subaxis_shape)
         gates = _straight_through_gate(self.channel_gates).to(mean.dtype)
         for gate, dim in zip(gates, self._gated_dims):
             target_mean, target_var = _pooled_moments(mean, var, dim)
             mean, var = _mixture_moments(mean, var, gate, target_mean, target_var)
-        return mean.reshape(rows, self.num_channels), var.reshape(rows, self.num_channels)
+        return mean.reshape(shape), var.reshape(shape)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, grouping={self.selected_grouping()}"

@@ -115,6 +115,12 @@ def stat_dtype(x: Tensor) -> torch.dtype:
 # --------------------------------------------------------------------------------------------------
 
 
+def as_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x in ``dtype``: x itself when it has it already, where ``x.to(dtype)`` would still be recorded by a tracer
+    (an exported graph's Cast that does nothing)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _triton_version_ok() -> bool:
     if not kernel_launch.available():
         return False
@@ -172,6 +178,15 @@ def passes_for(x: Tensor):
     return TorchPasses
 
 
+@torch.jit.unused  # never reached under TorchScript: callers test torch.jit.is_scripting() first
+def exporting() -> bool:
+    """Whether an exporter is recording the call: ``torch.jit.trace`` (and so the TorchScript-based
+    ``torch.onnx.export``), the ONNX exporter, or torch.compile / ``torch.export`` (dynamo or the non-strict
+    tracer). The layers then take their plain path (``centred_moments``): tensor operations only, no
+    autograd Function, no call plan, no branch on a tensor's values, so that what is recorded is what runs."""
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling()
+
+
 # --------------------------------------------------------------------------------------------------
 # The PyTorch implementation
 # --------------------------------------------------------------------------------------------------
@@ -208,6 +223,19 @@ def plain_moments_and_residual(x: Tensor, ill_conditioned: float = _ILL_CONDITIO
         var = var.index_put((recompute,), (maps - exact_mean[:, None]).square().mean(1).to(var.dtype))
         residual = residual.index_put((recompute,), (exact_mean - rounded.double()).to(mean.dtype))
     return mean, var, residual
+
+
+def centred_moments(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(mean, x - mean, variance) of every (n, c) map of x in the statistics dtype, mean and variance of shape
+    (N, C, 1, 1): the two-pass formula in the fewest plain operations (a mean, a subtraction, a product, a
+    mean), with no branch and no float64, which every exporter records as it is and every runtime runs. Its
+    variance is accurate whatever a map's mean-to-spread ratio (the deviations are taken from the float32
+    mean, which is within a few units of its last place of the exact one); the price is a full-size
+    temporary, which the exported model's runtime fuses or pays, and the eager layers avoid (``moments``)."""
+    xs = as_dtype(x, stat_dtype(x))
+    mean = xs.mean((2, 3), keepdim=True)
+    centred = xs - mean
+    return mean, centred, (centred * centred).mean((2, 3), keepdim=True)
 
 
 def plain_scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor) -> Tensor:

@@ -109,8 +109,9 @@ class ModeNorm2d(MomentNormalizer, RunningMoments):
         """The per-(n, c) scale and shift this layer applies, y = (x - mean) * scale + shift, from the IN mean
         and variance (N, C) of an input with ``spatial_size`` = H * W; updates the running statistics in
         training. (``min_mode_weight``: the floor of N_k; an argument because TorchScript reads no global
-        float.)"""
-        dtype = mean.dtype
+        float.) Statistics of shape (N, C, 1, 1) (evaluation) give scale and shift of that shape."""
+        shape, dtype = mean.shape, mean.dtype
+        mean, var = mean.flatten(1), var.flatten(1)
         # The softmax in float64, where the gates' gradients from the float64 mode sums arrive (modes with
         # like statistics give like gradients, whose common part its backward cancels), and 0 where the
         # gate rounds to 0 in the statistics dtype, as in the kernels: such a mode has no batch estimate.
@@ -139,7 +140,7 @@ class ModeNorm2d(MomentNormalizer, RunningMoments):
         scale = weight * (inv_ref + torch.einsum("nk,nkc->nc", gates, inv_std[None] - inv_ref[:, None]))
         mixed_offset = offset_ref + torch.einsum("nk,nkc->nc", gates, offsets - offset_ref[:, None])
         shift = self.bias.to(dtype) - weight * mixed_offset
-        return scale, shift
+        return scale.reshape(shape), shift.reshape(shape)
 
     @torch.jit.unused
     def fused_plan(self, x: Tensor):
@@ -178,8 +179,10 @@ class ModeGroupNorm2d(MomentNormalizer):
 
     def scale_and_shift(self, mean: Tensor, var: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         """The per-(n, c) scale and shift this layer applies, y = (x - mean) * scale + shift, from the IN mean
-        and variance (N, C); ``spatial_size`` (H * W) is unused: MGN has no batch statistics to pool."""
-        dtype = mean.dtype
+        and variance, (N, C) or (N, C, 1, 1) (giving scale and shift of that shape); ``spatial_size`` (H * W) is
+        unused: MGN has no batch statistics to pool."""
+        shape, dtype = mean.shape, mean.dtype
+        mean, var = mean.flatten(1), var.flatten(1)
         mode_mean, mode_var = self._sample_estimates(torch.log_softmax(self.gate_logits(mean), dim=2), mean, var)
         # Eq. 5: equal-weight average of the K normalized maps, folded into a scale and shift centred at
         # the IN mean (``moment_normalizer``)
@@ -188,7 +191,7 @@ class ModeGroupNorm2d(MomentNormalizer):
         scale = weight * inv_std.sum(1, keepdim=True)
         offsets = (mode_mean[:, None, :] - mean[:, :, None]) * inv_std[:, None, :]  # (N, C, K)
         shift = self.bias.to(dtype) - weight * offsets.sum(2)
-        return scale, shift
+        return scale.reshape(shape), shift.reshape(shape)
 
     @torch.jit.unused
     def fused_plan(self, x: Tensor):

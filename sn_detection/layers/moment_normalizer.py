@@ -82,7 +82,16 @@ import torch
 from torch import Tensor
 
 from .base import NormBase
-from .map_passes import passes_for, plain_moments, plain_scale_shift, stat_dtype
+from .map_passes import (
+    as_dtype,
+    centred_moments,
+    exporting,
+    kernel_path,
+    passes_for,
+    plain_moments,
+    plain_scale_shift,
+    stat_dtype,
+)
 from .running import replaying
 
 
@@ -107,17 +116,16 @@ class _InstanceMoments(torch.autograd.Function):
 
 def instance_moments(x: Tensor) -> tuple[Tensor, Tensor]:
     """IN statistics of an (N, C, H, W) tensor: mean and biased variance over H*W, each (N, C)."""
-    if torch.jit.is_scripting():
+    if torch.jit.is_scripting() or exporting():
         return plain_moments(x)
     return _InstanceMoments.apply(x)
 
 
-def layer_moments(mean_in: Tensor, var_in: Tensor) -> tuple[Tensor, Tensor]:
-    """LN statistics from IN statistics (Eq. 5, pooled over channels): each (N, 1). The variance is Eq. 5's
-    mean_c(var_in + mu_in^2) - mu_ln^2 written as the law of total variance, which subtracts no large
-    second moments."""
-    mean = mean_in.mean(1, keepdim=True)
-    return mean, var_in.mean(1, keepdim=True) + (mean_in - mean).square().mean(1, keepdim=True)
+def per_channel(vector: Tensor, like: Tensor) -> Tensor:
+    """A per-channel (C,) vector in the dtype of ``like`` and shaped to broadcast against it: per-(n, c)
+    statistics (N, C) as it is, (N, C, 1, 1) statistics or (N, C, H, W) maps as (C, 1, 1)."""
+    vector = as_dtype(vector, like.dtype)
+    return vector if like.dim() == 2 else vector.view(-1, 1, 1)
 
 
 class _ScaleShift(torch.autograd.Function):
@@ -141,16 +149,17 @@ class _ScaleShift(torch.autograd.Function):
 
 def scale_shift(x: Tensor, scale: Tensor, shift: Tensor, center: Tensor) -> Tensor:
     """(x - center) * scale + shift for an (N, C, H, W) x and (N, C) scale, shift and center, in one pass."""
-    if torch.jit.is_scripting():
+    if torch.jit.is_scripting() or exporting():
         return plain_scale_shift(x, scale, shift, center)
     return _ScaleShift.apply(x, scale, shift, center)
 
 
-def affine_from_moments(weight: Tensor, bias: Tensor, offset: Tensor, var: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def affine_from_moments(weight: Tensor, bias: Tensor, offset: Tensor, var_eps: Tensor) -> tuple[Tensor, Tensor]:
     """The scale and shift of weight * (x - mean) / sqrt(var + eps) + bias in the centred form
-    (x - mu_in) * scale + shift, given ``offset`` = mean - mu_in: the normalizing mean's offset from the
-    IN mean (computed by the caller as a difference of nearby values, so that it keeps its digits)."""
-    scale = weight * torch.rsqrt(var + eps)
+    (x - mu_in) * scale + shift, given ``offset`` = mean - mu_in, the normalizing mean's offset from the
+    IN mean (computed by the caller as a difference of nearby values, so that it keeps its digits), and
+    ``var_eps`` = var + eps; weight and bias per channel (``per_channel``)."""
+    scale = weight / torch.sqrt(var_eps)
     return scale, bias - offset * scale
 
 
@@ -206,6 +215,8 @@ class MomentNormalizer(NormBase):
         trainable = any_requires_grad(parameters)
         if self.training and not trainable:  # frozen (``base``)
             self.train(False)
+        if exporting():
+            return self.exported_forward(x)
         plan = self.call_plan(x)
         if plan is not None:
             return fused_normalize(self, plan, x, parameters, trainable)
@@ -214,7 +225,25 @@ class MomentNormalizer(NormBase):
     @torch.jit.unused
     def make_call_plan(self, x: Tensor) -> Optional["FusedPlan"]:
         check_input(x, self.num_channels)
-        return self.fused_plan(x) if x.numel() > 0 else None
+        if x.numel() == 0 or not (self.training or kernel_path(x)):
+            # evaluation off the kernel path: ``normalize_by_moments``, whose no-grad form is the fast moments,
+            # the layer's own ``scale_and_shift`` and one affine pass
+            return None
+        return self.fused_plan(x)
+
+    @torch.jit.unused
+    def exported_forward(self, x: Tensor) -> Tensor:
+        """The layer as exporters record it (``map_passes.exporting``): in evaluation, ``centred_moments`` and
+        the layer's ``scale_and_shift`` on (N, C, 1, 1) statistics, then (x - mean) * scale + shift, all plain
+        operations; in training, the plain differentiable forward TorchScript runs."""
+        check_input(x, self.num_channels)
+        spatial_size = x.shape[2] * x.shape[3]
+        if self.training:
+            mean, var = plain_moments(x)
+            return plain_scale_shift(x, *self.scale_and_shift(mean, var, spatial_size), mean)
+        mean, centred, var = centred_moments(x)
+        scale, shift = self.scale_and_shift(mean, var, spatial_size)
+        return as_dtype(centred * scale + shift, x.dtype)
 
     @torch.jit.unused
     def fused_plan(self, x: Tensor) -> Optional["FusedPlan"]:

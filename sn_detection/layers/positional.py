@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .base import NormBase
-from .map_passes import stat_dtype
+from .map_passes import as_dtype, exporting, stat_dtype
 from .moment_normalizer import check_input
 from .options import POSITIVE
 from .positional_kernels import PositionalKernels, positional_norm, supports
@@ -29,7 +29,7 @@ from .positional_kernels import PositionalKernels, positional_norm, supports
 
 def pono(x: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor, Tensor]:
     """(normalized, mean, std) of PONO for an (N, C, H, W) x; mean and std are (N, 1, H, W), float32+."""
-    xs = x.to(stat_dtype(x))
+    xs = as_dtype(x, stat_dtype(x))
     # the mean as one channel's value plus the mean offset from it: a plain mean of C large values keeps
     # only their last place, the offsets keep as many digits as their spread
     shift = xs[:, :1]
@@ -63,6 +63,9 @@ class PositionalNorm2d(NormBase):
 
     @torch.jit.unused
     def _kernel_or_autograd_forward(self, x: Tensor) -> Tensor:
+        if exporting():  # plain operations (``map_passes.exporting``)
+            check_input(x, self.num_channels)
+            return self._autograd_forward(x)
         plan = self.call_plan(x)
         if plan is not None:
             weight, bias = self.parameter_tuple()
@@ -91,4 +94,4 @@ class PositionalNorm2d(NormBase):
 def _affine_pono(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     normalized, _, _ = pono(x, eps)
     y = torch.addcmul(bias[:, None, None], normalized, weight[:, None, None])
-    return y.to(x.dtype)
+    return as_dtype(y, x.dtype)

@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from . import map_passes
-from .map_passes import stat_dtype
-from .moment_normalizer import check_input, instance_moments, scale_shift
+from .map_passes import as_dtype, exporting, stat_dtype
+from .moment_normalizer import check_input, instance_moments, per_channel, scale_shift
 from .options import MOMENTUM, POSITIVE
 from .running import RunningMoments, group_sums, moments_from_sums
 from .skewness_kernels import SkewnessKernels, skewness_reduced
@@ -58,8 +58,10 @@ class _SignedPower(torch.autograd.Function):
 
 def signed_power(z: Tensor, p: float) -> Tensor:
     """The skewness correction phi_p of Eq. 6."""
-    if torch.jit.is_scripting():  # TorchScript compiles no autograd Function: the same values, autograd's gradient
-        return z.abs().pow(p).copysign(z)
+    if torch.jit.is_scripting() or exporting():
+        # TorchScript and the exporters record no autograd Function: the same values in operations every
+        # exporter knows (ONNX has no copysign), with autograd's gradient
+        return torch.sign(z) * z.abs().pow(p)
     return _SignedPower.apply(z, p)
 
 
@@ -85,6 +87,8 @@ class SkewnessReducedBatchNorm2d(RunningMoments):
         weight, bias = parameters = self.parameter_tuple()
         if self.training and not any(p.requires_grad for p in parameters):  # frozen (``base``)
             self.train(False)
+        if exporting():
+            return self.exported_forward(x)
         plan = self.call_plan(x)
         if plan is not None:
             return skewness_reduced(self, plan, x, weight, bias)
@@ -98,6 +102,19 @@ class SkewnessReducedBatchNorm2d(RunningMoments):
         if map_passes.kernel_path(x) and x.numel() > 0 and self._batch_average is None:
             return SkewnessKernels(self, x)
         return None
+
+    @torch.jit.unused
+    def exported_forward(self, x: Tensor) -> Tensor:
+        """The layer as exporters record it (``map_passes.exporting``): in evaluation Eq. 6-7 with the running
+        statistics as per-channel constants, phi_p as sign(z) |z|^p; in training the plain differentiable
+        forward TorchScript runs."""
+        check_input(x, self.num_channels)
+        if self.training:
+            return self._autograd_forward(x)
+        xs = as_dtype(x, stat_dtype(x))
+        mean, var = per_channel(self.running_mean, xs), per_channel(self.running_var, xs)
+        z = (xs - mean) / torch.sqrt(var + self.eps)
+        return as_dtype(signed_power(z, self.p) * per_channel(self.weight, xs) + per_channel(self.bias, xs), x.dtype)
 
     @torch.jit.unused
     def replayed_forward(self, x: Tensor) -> Tensor:

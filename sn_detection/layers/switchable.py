@@ -44,7 +44,7 @@ import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
 
 from . import map_passes
-from .moment_normalizer import FusedPlan, MomentNormalizer, affine_from_moments, layer_moments
+from .moment_normalizer import FusedPlan, MomentNormalizer, affine_from_moments, per_channel
 from .options import BOOLEAN, MOMENTUM, POSITIVE
 from .running import MomentSums, RunningMoments, group_sums, moments_from_sums
 from .switchable_kernels import SwitchableClosedForms, SwitchableKernels
@@ -73,20 +73,23 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
 
     def scale_and_shift(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         """The per-(n, c) scale and shift this layer applies, y = (x - mean_in) * scale + shift, from the IN
-        mean and variance (N, C) of an input with ``spatial_size`` = H * W; updates the running statistics
-        in training."""
-        mean_ln, var_ln = layer_moments(mean_in, var_in)
-        # the means as offsets from mean_in (IN's own offset is 0): differences of nearby values keep
-        # their digits, which the centred output needs (``moment_normalizer``)
-        offsets, variances = [torch.zeros_like(mean_in), mean_ln - mean_in], [var_in, var_ln]
+        mean and variance of an input with ``spatial_size`` = H * W, each (N, C) or, in evaluation,
+        (N, C, 1, 1); updates the running statistics in training. The means enter as offsets from mean_in
+        (IN's own offset is 0): differences of nearby values keep their digits, which the centred output
+        needs (``moment_normalizer``)."""
+        mean_weights, var_weights = self.branch_weights(mean_in.dtype)
+        # LN (Eq. 5) by the law of total variance, which subtracts no large second moments
+        to_in = mean_in - mean_in.mean(1, keepdim=True)
+        var_ln = (var_in + to_in.square()).mean(1, keepdim=True)
+        offset = -mean_weights[1] * to_in
+        var = var_weights[0] * var_in + var_weights[1] * var_ln
         if self.use_bn:
             mean_bn, var_bn = self._batch_branch(mean_in, var_in, spatial_size)
-            offsets.append(mean_bn - mean_in)
-            variances.append(var_bn)
-        mean_weights, var_weights = self.branch_weights(mean_in.dtype)
-        offset = _mix(mean_weights, offsets)
-        var = _mix(var_weights, variances)
-        return affine_from_moments(self.weight, self.bias, offset, var, self.eps)
+            offset = offset + mean_weights[2] * (mean_bn - mean_in)
+            var_eps = var + (var_weights[2] * var_bn + self.eps)  # in evaluation one constant (C,): one operation
+        else:
+            var_eps = var + self.eps
+        return affine_from_moments(per_channel(self.weight, mean_in), per_channel(self.bias, mean_in), offset, var_eps)
 
     def branch_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The importance weights of the branches [IN, LN(, BN)] for the means and for the variances (Eq. 4),
@@ -102,7 +105,7 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
 
     def _batch_branch(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         if not self.training:
-            return self.running_mean.to(mean_in.dtype), self.running_var.to(mean_in.dtype)
+            return per_channel(self.running_mean, mean_in), per_channel(self.running_var, mean_in)
         sums = self._reduce(group_sums(mean_in, var_in, spatial_size))
         self._track(sums)
         mean, var = moments_from_sums(sums)
@@ -146,11 +149,3 @@ class SyncSwitchableNorm2d(SwitchableNorm2d):
 
 def _several_processes() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _mix(weights: Tensor, statistics: list[Tensor]) -> Tensor:
-    """sum_k weights_k * statistics_k, broadcasting (N, C), (N, 1) and (C,) to (N, C)."""
-    mixed = weights[0] * statistics[0]
-    for k in range(1, len(statistics)):  # a loop TorchScript compiles (it takes no generator)
-        mixed = mixed + weights[k] * statistics[k]
-    return mixed
