@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,3 +93,64 @@ def test_the_tree_holds_no_symbolic_links():
         pytest.skip(f"not a git checkout: {listed.stderr.strip()}")
     links = [name for name in listed.stdout.split("\0") if name and os.path.islink(os.path.join(ROOT, name))]
     assert not links, f"symbolic links in the tree (GitHub shows them as files): {links}"
+
+
+STOCK_CONFIG = os.path.join(ROOT, "docs", "detectron2.md")
+NUMBERS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6}
+
+
+def test_the_stock_config_snippet_is_written_once():
+    """docs/detectron2.md holds it; every other page links there rather than keeping a copy that drifts."""
+    for page in PAGES:
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            copies = f.read().count('cfg.MODEL.META_ARCHITECTURE = "SNMetaArch"')
+        assert copies == (1 if os.path.join(ROOT, page) == STOCK_CONFIG else 0), page
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        assert "(docs/detectron2.md#a-stock-detectron2-config" in f.read()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_stock_config_snippet_predicts_with_the_trained_model_it_names(tmp_path, monkeypatch):
+    """The block of docs/detectron2.md as written, with a model saved where its MODEL.WEIGHTS says (trained
+    nowhere: the weights only need to be the file's); on the CPU here, at a small input size."""
+    import torch
+    from detectron2.checkpoint import DetectionCheckpointer
+    from detectron2.modeling import build_model
+
+    from sn_detection.layers import SwitchableNorm2d
+
+    with open(STOCK_CONFIG, encoding="utf-8") as f:
+        text = f.read()
+    section = text.split("## A stock detectron2 config", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"^```python\n(.*?)^```", section, flags=re.MULTILINE | re.DOTALL)
+    lines = block.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("cfg = model_zoo.get_config("))
+    weights = next(i for i, line in enumerate(lines) if line.startswith("cfg.MODEL.WEIGHTS = "))
+    # "takes our norms with N lines": the lines between the stock config and its weights
+    (stated,) = re.findall(r"takes our norms with (\w+) lines", " ".join(section.split()))
+    assert NUMBERS[stated] == weights - first - 1, lines[first + 1 : weights]
+    *setup, last = lines
+    assert last == "predictor = DefaultPredictor(cfg)"
+
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile("\n".join(setup), STOCK_CONFIG, "exec"), namespace)
+    cfg = namespace["cfg"]
+    path = cfg.MODEL.WEIGHTS
+    assert path.endswith("model_final.pth") and not path.startswith(("detectron2://", "catalog://"))
+    cfg.MODEL.DEVICE = "cpu"
+    cfg.INPUT.MIN_SIZE_TEST, cfg.INPUT.MAX_SIZE_TEST = 64, 96
+    trained = build_model(cfg)
+    for module in trained.modules():
+        if isinstance(module, SwitchableNorm2d):
+            torch.nn.init.normal_(module.mean_weight)  # not the initial, equal logits: weights of the file
+    os.makedirs(os.path.dirname(path))
+    DetectionCheckpointer(trained, save_dir=os.path.dirname(path)).save("model_final")
+    exec(compile(last, STOCK_CONFIG, "exec"), namespace)
+    predictor = namespace["predictor"]
+    norms = [m for m in predictor.model.backbone.modules() if isinstance(m, SwitchableNorm2d)]
+    assert len(norms) == 53 + 4 + 4  # the ResNet-50's, and the FPN's lateral and output convolutions'
+    expected = dict(trained.named_parameters())
+    for name, parameter in predictor.model.named_parameters():
+        torch.testing.assert_close(parameter, expected[name], rtol=0, atol=0, msg=name)
+    predictor(np.zeros((48, 64, 3), dtype=np.uint8))  # predicts
