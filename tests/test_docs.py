@@ -154,3 +154,83 @@ def test_the_stock_config_snippet_predicts_with_the_trained_model_it_names(tmp_p
     for name, parameter in predictor.model.named_parameters():
         torch.testing.assert_close(parameter, expected[name], rtol=0, atol=0, msg=name)
     predictor(np.zeros((48, 64, 3), dtype=np.uint8))  # predicts
+
+
+def _constants(path: str) -> dict:
+    """The module-level constants and the functions' keyword defaults of the test file ``path`` (read, not
+    imported: the CUDA tests skip at import without a GPU)."""
+    import ast
+
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                found[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:  # not a literal: no constant of the test's
+                pass
+        elif isinstance(node, ast.FunctionDef) and node.args.defaults:
+            names = [argument.arg for argument in node.args.args][-len(node.args.defaults) :]
+            for name, default in zip(names, node.args.defaults):
+                if isinstance(default, ast.Constant):
+                    found[f"{node.name}.{name}"] = default.value
+    return found
+
+
+def _tolerance(value: float) -> str:
+    """1e-4 as the docs write it."""
+    return re.sub(r"e-0*", "e-", f"{value:.0e}")
+
+
+def _prose(page: str) -> str:
+    with open(os.path.join(ROOT, "docs", page), encoding="utf-8") as f:
+        return " ".join(f.read().split())
+
+
+def test_the_cuda_graph_agreement_the_docs_state_is_their_tests_tolerance():
+    """docs/pretraining.md and docs/training.md give the tolerances of the CUDA tests of the two CUDA-graph
+    features as such, with the tests' values, and say that those tests have not run on a GPU."""
+    pretraining = _constants("tests/pretraining/test_graphed_pretraining_cuda.py")
+    fp32, amp = pretraining["TOLERANCE"][False], pretraining["TOLERANCE"][True]
+    assert (
+        f"requires the losses of {pretraining['ITERATIONS']} iterations and the backbone after them to equal "
+        f"eager training's within a tolerance of rtol {_tolerance(fp32['rtol'])}, atol {_tolerance(fp32['atol'])} "
+        f"(rtol {_tolerance(amp['rtol'])}, atol {_tolerance(amp['atol'])} with `PRETRAIN.AMP`): a test's "
+        "tolerance, not a measured agreement, and that test has not run on a GPU yet"
+    ) in _prose("pretraining.md")
+    backbone = _constants("tests/d2/test_graphed_backbone.py")
+    assert (
+        f"within a tolerance of {_tolerance(backbone['assert_same.tolerance'])} of each tensor's largest "
+        "magnitude (outputs, gradients and weights; running statistics 1e-5), also under autocast and in DDP: "
+        "a test's tolerance, not a measured agreement, and those tests have not run on a GPU yet"
+    ) in _prose("training.md")
+    with open(os.path.join(ROOT, "tests", "d2", "test_graphed_backbone.py"), encoding="utf-8") as f:
+        assert "assert_close(buffer.double(), buffers[name].double(), 1e-5)" in f.read()
+    with open(os.path.join(ROOT, "docs", "compatibility.md"), encoding="utf-8") as f:
+        (not_run,) = [line for line in f if line.startswith("| [GPU](#gpus), the code since")]
+    assert "not run on a GPU" in not_run and "`PRETRAIN.CUDA_GRAPH` and the graphed backbone" in not_run
+
+
+def test_the_readmes_first_screen_says_what_ran_where():
+    """Before its first section the README says where its results were measured, that no COCO-trained model
+    ships (the model zoo measured no COCO config), and what of the GPU path ran on a GPU, as the table of
+    docs/compatibility.md it links has it."""
+    from sn_detection import model_zoo
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        first_screen = " ".join(f.read().split("\n## ", 1)[0].split())
+    assert "(docs/compatibility.md#what-ran-where)" in first_screen
+    assert "Every AP here was measured on a 2-core CPU at small scale" in first_screen
+    assert "on the embedded synthetic shapes" in first_screen
+    assert "no COCO-trained model ships yet" in first_screen
+    assert not {m.config for m in model_zoo.load_measured()} & set(model_zoo.names())  # the catalog is COCO's
+    with open(os.path.join(ROOT, "docs", "compatibility.md"), encoding="utf-8") as f:
+        table = f.read()
+    (ran,) = re.findall(r"^\| \[GPU\]\(#gpus\), at commit (\w+) \|", table, flags=re.MULTILINE)
+    assert f"the Triton kernels passed their tests at commit {ran}" in first_screen
+    (not_run,) = [line for line in table.splitlines() if line.startswith("| [GPU](#gpus), the code since")]
+    for feature in ("call plans", "statistics blocks", "direct launch"):
+        assert f"[{feature}]" in not_run and f"[{feature}]" in first_screen, feature
+    assert "`PRETRAIN.CUDA_GRAPH` and the graphed backbone" in not_run
+    assert "both CUDA-graph features have not run on a GPU yet" in first_screen
