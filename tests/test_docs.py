@@ -221,7 +221,7 @@ def test_the_readmes_first_screen_says_what_ran_where():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         first_screen = " ".join(f.read().split("\n## ", 1)[0].split())
     assert "(docs/compatibility.md#what-ran-where)" in first_screen
-    assert "Every AP here was measured on a 2-core CPU at small scale" in first_screen
+    assert "Every AP this project measured comes from a 2-core CPU at small scale" in first_screen
     assert "on the embedded synthetic shapes" in first_screen
     assert "no COCO-trained model ships yet" in first_screen
     assert not {m.config for m in model_zoo.load_measured()} & set(model_zoo.names())  # the catalog is COCO's
