@@ -106,7 +106,12 @@ def test_the_stock_config_snippet_is_written_once():
             copies = f.read().count('cfg.MODEL.META_ARCHITECTURE = "SNMetaArch"')
         assert copies == (1 if os.path.join(ROOT, page) == STOCK_CONFIG else 0), page
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        assert "(docs/detectron2.md#a-stock-detectron2-config" in f.read()
+        readme = " ".join(f.read().split())
+    with open(STOCK_CONFIG, encoding="utf-8") as f:
+        page = " ".join(f.read().split())
+    assert "(docs/detectron2.md#a-stock-detectron2-config" in readme
+    lines = r"takes our norms with (\w+) lines"
+    assert re.findall(lines, readme) == re.findall(lines, page) and len(re.findall(lines, page)) == 1
 
 
 @pytest.mark.usefixtures("one_thread")
