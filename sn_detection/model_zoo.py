@@ -12,7 +12,10 @@ give a catalog config's path / its loaded detectron2 config, ``lazy_names()``,
 sn_detection.model_zoo`` rewrites the table there) and the tests check that the configs agree with it.
 The README shows the AP measured in this repository apart from the paper's numbers: in the "our AP"
 column for catalog configs and in a table of their own, which also has the CPU demo configs. Those
-measurements are the records of ``model_zoo/measured.json`` (``load_measured``). Further generated
+measurements are the records of ``model_zoo/measured.json`` (``load_measured``): each a run of its config
+as the repository has it now (its model, schedule and input size, which tests/test_model_zoo.py checks
+against the config), with the date it ran and the commit that recorded it. A run of a recipe the config no
+longer has leaves the table for CHANGELOG.md. Further generated
 sections are the markdown files of ``model_zoo/sections/``: every ``*.md`` there is included, in name
 order, after that table. The README, its sections and the measurements are files of the repository, not
 of the package: rendering needs a checkout.
@@ -180,9 +183,12 @@ _BY_NAME = {entry.name: entry for entry in CATALOG}
 @dataclass(frozen=True)
 class Measurement:
     """AP (COCO metrics, on the config's DATASETS.TEST) of one training run of ``config`` made in this
-    repository: one record of ``model_zoo/measured.json``. ``duration`` is the wall-clock time shown in
-    the README ("" if not recorded); ``machine``, ``date`` and ``command`` say where, when and how it ran
-    ("" if not recorded)."""
+    repository: one record of ``model_zoo/measured.json``. ``depth`` (the ResNet's), ``pretrained``
+    (finetuned from a pretrained backbone, or from scratch), ``input_size`` (the shorter side of the
+    training images, px) and ``iterations`` are the recipe it ran (None where not recorded). ``duration`` is
+    the wall-clock time shown in the README; ``machine``, ``date``, ``commit`` (the commit that recorded the
+    run, whose code and config it ran) and ``command`` say where, when and how it ran ("" where not
+    recorded)."""
 
     config: str
     iterations: int
@@ -194,7 +200,17 @@ class Measurement:
     note: str = ""
     machine: str = ""
     date: str = ""
+    commit: str = ""
     command: str = ""
+    depth: int | None = None
+    pretrained: bool | None = None
+    input_size: int | None = None
+
+    def recipe(self) -> str:
+        """The model and input, as the README shows them: "R18, finetuned, 128 px" ("–" where not recorded)."""
+        if self.depth is None or self.pretrained is None or self.input_size is None:
+            return "–"
+        return f"R{self.depth}, {'finetuned' if self.pretrained else 'from scratch'}, {self.input_size} px"
 
 
 def load_measured(path: str = MEASURED_FILE) -> tuple[Measurement, ...]:
@@ -203,7 +219,7 @@ def load_measured(path: str = MEASURED_FILE) -> tuple[Measurement, ...]:
     _need_repository_file(path)
     with open(path, encoding="utf-8") as f:
         records = json.load(f)
-    text_fields = ("duration", "note", "machine", "date", "command")
+    text_fields = ("duration", "note", "machine", "date", "commit", "command")
     return tuple(
         Measurement(**{key: ("" if value is None and key in text_fields else value) for key, value in record.items()})
         for record in records
@@ -346,16 +362,20 @@ def _our_ap(measured: Sequence[Measurement], config: str, mask: bool) -> str:
 
 
 def _measured_section(measured: Sequence[Measurement]) -> str:
-    header = ["config", "iterations", "box AP", "box AP50", "mask AP", "mask AP50", "time", "notes"]
+    header = ["config", "model", "iterations", "box AP", "box AP50", "mask AP", "mask AP50", "time", "date"]
+    header += ["commit", "notes"]
     rows = [
         [
             f"[{m.config}](../configs/{m.config}.yaml)",
+            m.recipe(),
             str(m.iterations),
             _ap(m.box_ap),
             _ap(m.box_ap50),
             _ap(m.mask_ap),
             _ap(m.mask_ap50),
             m.duration or "–",
+            m.date or "–",
+            f"`{m.commit}`" if m.commit else "–",
             m.note,
         ]
         for m in measured
@@ -367,7 +387,9 @@ def _measured_section(measured: Sequence[Measurement]) -> str:
         f"Trained and evaluated by this repository{where}; these are our measurements, not the "
         "paper's (the paper's AP are the \"paper\" columns above). The demo configs train Mask R-CNN on "
         "the embedded shapes dataset and evaluate on `sn_shapes_val`; the numbers are deterministic on the CPU "
-        "for a given machine."
+        "for a given machine. Each row is a run of its config as it is now (model, iterations, input size), "
+        "on the date shown, with the code of the commit shown (the one that recorded it); runs of recipes the "
+        "configs no longer have are in the [CHANGELOG](../CHANGELOG.md#earlier-measurements)."
     )
     return intro + "\n\n" + _markdown(header, rows)
 

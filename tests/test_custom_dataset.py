@@ -1,6 +1,7 @@
 """docs/custom_dataset.md holds: its script registers a COCO-format dataset that
-configs/custom_dataset/mask_rcnn_sn.yaml trains on, in one process and in the processes of --num-gpus 2, and
-the config's model has the dataset's classes."""
+configs/custom_dataset/mask_rcnn_sn.yaml trains on, in one process and in the processes of --num-gpus 2, the
+config's model has the dataset's classes, and the page says, before its training commands, how to make the
+pretrained file the config starts from."""
 
 import copy
 import json
@@ -142,7 +143,7 @@ def test_rle_masks_need_the_bitmask_format(registered):
 def test_the_script_trains_and_evaluates_in_two_processes(workspace):
     """The page's command with --num-gpus 2 on the CPU: each spawned process registers the datasets
     by importing the script, trains 2 iterations and evaluates box and mask AP."""
-    (commands,) = fenced("bash")[1:2]
+    (commands,) = [block for block in fenced("bash") if "train_my_dataset.py" in block]
     train = commands.splitlines()[0].split()
     assert train == ["python", "train_my_dataset.py", "--config-file", CONFIG, "--num-gpus", "8"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
@@ -153,3 +154,18 @@ def test_the_script_trains_and_evaluates_in_two_processes(workspace):
     assert (output / "model_final.pth").is_file()
     results = json.loads((output / "eval_results.json").read_text())[NAMES[1]]
     assert {"bbox", "segm"} <= set(results) and "AP" in results["segm"], results
+
+
+def test_the_page_makes_the_weights_the_config_starts_from_before_training():
+    weights = load_cfg(CONFIG, []).MODEL.WEIGHTS
+    assert weights == "pretrained/R-50-SN.pkl"
+    with open(PAGE, encoding="utf-8") as f:
+        page = f.read()
+    blocks = fenced("bash")
+    (convert,) = [i for i, block in enumerate(blocks) if "tools/convert_pretrained.py" in block]
+    (train,) = [i for i, block in enumerate(blocks) if "train_my_dataset.py" in block]
+    assert convert < train
+    words = blocks[convert].split()
+    assert words[words.index("--source") + 1] == "sn" and words[2] == weights  # SRC DST --source sn
+    prose = page[: page.index(blocks[convert])]
+    assert f"The config finetunes from `{weights}`" in prose and "download and convert once" in prose

@@ -2,6 +2,9 @@
 
 import glob
 import os
+import re
+import shlex
+import subprocess
 
 import pytest
 
@@ -19,6 +22,7 @@ TABLE_5 = {
     ("GN", "GN"): (40.2, 35.7), ("GN", "SN"): (40.4, 36.0), ("SN", "SN"): (41.0, 36.5),
 }  # fmt: skip
 ITERATIONS = {"1x": 90000, "2x": 180000, "3x": 270000}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def config_names_on_disk():
@@ -148,21 +152,81 @@ def test_measured_numbers_are_a_table_of_their_own():
     table = model_zoo.catalog_table()
     measured = table[table.index("### Measured here") :]
     assert "not the paper's" in measured
-    sn = "[demo_mask_rcnn_sn](../configs/demo_mask_rcnn_sn.yaml)"
-    gn = "[demo_mask_rcnn_gn](../configs/demo_mask_rcnn_gn.yaml)"
-    assert f"| {sn} | 1200 | 51.7 | 69.6 | 50.9 | 68.6 | 7 min 14 s |" in measured
-    assert f"| {sn} | 1000 | 41.9 | 60.0 | 41.8 | 58.8 | 5 min 28 s |" in measured
-    assert f"| {sn} | 1500 | 30.5 | 42.6 | 28.8 | 41.2 | 10 min 22 s |" in measured
-    assert f"| {sn} | 1200 | 28.0 | 40.2 | 26.3 | 38.9 | 29 min 15 s |" in measured
-    assert f"| {sn} | 1200 | 15.8 | – | 16.3 | – | 22 min |" in measured
-    assert f"| {sn} | 560 | 9.2 | 19.1 | 9.1 | 18.2 | 10 min 58 s |" in measured
-    assert f"| {gn} | 1000 | 14.4 | – | 14.9 | – | – |" in measured
+    assert (
+        "| config | model | iterations | box AP | box AP50 | mask AP | mask AP50 | time | date | commit | notes |"
+        in (measured)
+    )
+    sn = "[demo_mask_rcnn_sn](../configs/demo_mask_rcnn_sn.yaml) | R18, finetuned, 128 px"
+    assert f"| {sn} | 1200 | 51.7 | 69.6 | 50.9 | 68.6 | 7 min 14 s | 2026-11-25 | `41dc15f` |" in measured
+    assert f"| {sn} | 1200 | 45.4 | 61.5 | 45.0 | 60.5 | 47 min 23 s | 2026-11-26 | `0da9975` |" in measured
     assert {m.config for m in model_zoo.load_measured()} <= config_names_on_disk()
 
 
-def test_every_measurement_says_where_and_when_it_ran():
+def test_every_measurement_says_where_when_and_on_what_it_ran():
     for m in model_zoo.load_measured():
-        assert m.machine and m.date and m.iterations > 0 and m.box_ap is not None, m
+        assert m.machine and m.date and m.commit and m.command and m.iterations > 0 and m.box_ap is not None, m
+        assert m.depth is not None and m.pretrained is not None and m.input_size is not None, m
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", m.date) and re.fullmatch(r"[0-9a-f]{7,40}", m.commit), m
+
+
+def command_config(command: str) -> tuple[str, list[str]]:
+    """The config file and KEY VALUE overrides a measurement's command trains with: a ``tools/train_net.py``
+    command line, or ``make demo``, whose training line the Makefile has (its backbone, the pretrained
+    file that ``make demo`` passes as MODEL.WEIGHTS, as the value "pretrained")."""
+    if command == "make demo":
+        with open(os.path.join(REPO, "Makefile"), encoding="utf-8") as f:
+            makefile = f.read()
+        target = makefile.split("\ndemo:\n", 1)[1].split("\n\n", 1)[0]
+        (line,) = [line for line in target.splitlines() if "tools/train_net.py" in line]
+        command = line.replace("$$py ", "").replace("$$backbone", "pretrained").strip()
+    words = shlex.split(command)
+    assert words[0] == "tools/train_net.py" and words[1] == "--config-file", command
+    return words[2], words[3:]
+
+
+@pytest.mark.parametrize("m", model_zoo.load_measured(), ids=lambda m: f"{m.config}-{m.date}-{m.commit}")
+def test_every_measured_row_is_a_run_of_its_config_as_it_is(m):
+    """A row's model, input and schedule are its config's, with the overrides of its command: a config
+    changed since makes its rows wrong (they then go to CHANGELOG.md, or are measured again)."""
+    from detectron2.config import get_cfg
+
+    from sn_detection.d2 import add_sn_config
+
+    config, overrides = command_config(m.command)
+    assert config == f"configs/{m.config}.yaml", (config, m.config)
+    cfg = get_cfg()
+    add_sn_config(cfg)
+    cfg.merge_from_file(os.path.join(REPO, config))
+    cfg.merge_from_list(overrides)
+    assert cfg.SOLVER.MAX_ITER == m.iterations
+    assert cfg.MODEL.RESNETS.DEPTH == m.depth
+    assert bool(cfg.MODEL.WEIGHTS) == m.pretrained
+    assert tuple(cfg.INPUT.MIN_SIZE_TRAIN) == (m.input_size,)
+    assert m.recipe() == f"R{m.depth}, {'finetuned' if m.pretrained else 'from scratch'}, {m.input_size} px"
+
+
+def test_a_recipe_of_another_config_is_caught():
+    """The check above on a row as the README had it: R50-FPN from scratch at 160 px, 560 iterations."""
+    stale = model_zoo.Measurement(
+        "demo_mask_rcnn_sn", 560, 9.2, depth=50, pretrained=False, input_size=160, command="make demo"
+    )
+    with pytest.raises(AssertionError):
+        test_every_measured_row_is_a_run_of_its_config_as_it_is(stale)
+
+
+@pytest.mark.parametrize("m", model_zoo.load_measured(), ids=lambda m: f"{m.config}-{m.date}-{m.commit}")
+def test_a_measured_rows_commit_is_in_the_history_on_its_date(m):
+    def git(*arguments):
+        return subprocess.run(["git", *arguments], cwd=REPO, capture_output=True, text=True)
+
+    checkout = git("rev-parse", "--git-dir")
+    if checkout.returncode != 0:
+        pytest.skip(f"not a git checkout: {checkout.stderr.strip()}")
+    shown = git("show", "-s", "--format=%cd", "--date=format:%Y-%m-%d", f"{m.commit}^{{commit}}")
+    if shown.returncode != 0 and git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip(f"a shallow clone, without the history of {m.commit}")
+    assert shown.returncode == 0, f"commit {m.commit} of {m.config}'s {m.date} row: {shown.stderr.strip()}"
+    assert shown.stdout.strip() == m.date
 
 
 def test_a_measured_catalog_config_shows_its_longest_run_as_our_ap():

@@ -1,14 +1,16 @@
 """The model zoo from a built wheel: built from a source distribution of the repository (so both carry the
 top-level configs/, which the build installs as sn_detection/configs, without a copy in the source), installed
 into a folder of its own and imported from there, with the repository out of sight, it has every file of
-configs/ and every catalog config and every LazyConfig loads."""
+configs/ and every catalog config and every LazyConfig loads; both carry the licence (LICENSE, Apache-2.0)."""
 
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import textwrap
+import zipfile
 
 import pytest
 
@@ -49,9 +51,9 @@ def _run(args, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """The folder a wheel built from a source distribution of a copy of the repository is installed into (no
-    dependencies)."""
+def built(tmp_path_factory):
+    """(the source distribution of a copy of the repository, the wheel built from it, the folder it is
+    installed into without dependencies)."""
     tmp = tmp_path_factory.mktemp("wheel")
     source = tmp / "source"
     # a copy, so that setuptools' build/ and egg-info stay out of the checkout; only what a clone has
@@ -67,7 +69,31 @@ def installed(tmp_path_factory):
     _run(pip + ["wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(wheels), str(sdist)])
     (wheel,) = wheels.glob("sn_detection-*.whl")
     _run(pip + ["install", "--no-deps", "--no-index", "--target", str(target), str(wheel)])
-    return target
+    return sdist, wheel, target
+
+
+@pytest.fixture(scope="module")
+def installed(built):
+    return built[2]
+
+
+def test_the_sdist_and_the_wheel_carry_the_licence(built):
+    sdist, wheel, target = built
+    with open(os.path.join(REPO, "LICENSE"), encoding="utf-8") as f:
+        licence = f.read()
+    assert "Apache License" in licence and "Version 2.0, January 2004" in licence
+    with tarfile.open(sdist) as archive:
+        (member,) = [m for m in archive.getmembers() if m.name.split("/", 1)[1:] == ["LICENSE"]]
+        assert archive.extractfile(member).read().decode() == licence
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (metadata,) = [name for name in names if name.endswith(".dist-info/METADATA")]
+        (licence_file,) = [name for name in names if name.endswith(".dist-info/licenses/LICENSE")]
+        assert archive.read(licence_file).decode() == licence
+        headers = archive.read(metadata).decode().split("\n\n", 1)[0].splitlines()
+    assert "License-Expression: Apache-2.0" in headers and "License-File: LICENSE" in headers
+    installed_licence = target / licence_file
+    assert installed_licence.read_text(encoding="utf-8") == licence  # pip installs it with the package
 
 
 def test_the_wheel_serves_every_config_without_the_repository(installed, tmp_path):

@@ -1,33 +1,35 @@
 #!/usr/bin/env bash
-# What a CUDA GPU adds to `make test` and to the CPU benchmarks, in one command:
+# What a CUDA GPU adds to `make test` and to the CPU benchmarks, in one command, step by step. Each step's
+# commands run under a time limit each (`step NAME SECONDS ...` below); the header gives each step's
+# limits, which bound how long it takes. The steps' times in this form have not been measured on a GPU:
+# the log has each command's ("=== NAME: exit STATUS, N s").
 #
-#   tests     the Triton kernels compiled and run on the GPU against float64 references, the layers through
-#             them, the direct launch of the compiled kernels against Triton's JIT, host synchronisations and
-#             CUDA-graph capture (tests/kernels); pretraining's graphed step against eager training
-#             (PRETRAIN.CUDA_GRAPH) and the graphed backbone against the eager one; the mixed-precision tests
-#             that need CUDA;
-#   counts    every layer's kernel launches and syncs per training step, with the profiler's kernel count
-#             beside them, the host's work of a training step and an evaluation forward with the Triton
-#             launches skipped (counts.json; tools/count_launches.py --host-time), and each layer's step with
-#             Triton's ordinary launch path and the direct launch, side by side (launch.json;
-#             tools/benchmark_launch.py);
-#   norms     SN's, DN's and MGN's forward + backward at the four detection shapes beside torch's GroupNorm,
-#             fp32 with a profile of one step of each, and under AMP (norms.json, norms_amp.json;
-#             tools/benchmark_norms.py);
-#   train     a Mask R-CNN R50-FPN training step and inference at 2 images of 800 px, the SN paper's setting,
-#             GN, SN, DN and MGN everywhere (train.json); and at 2 images of 1024 x 1024, the large-scale-jitter
-#             recipe with AMP, GN and SN with the backbone and FPN replayed as CUDA graphs and GN without
-#             (train_lsj.json; tools/benchmark_train.py --graphed-backbone); on the embedded detection set;
-#   pretrain  a ResNet-50 pretraining step at 224 px, 32 images per GPU (256 over 8), BN and SN, eager and
-#             captured in a CUDA graph (NORM+graph), fp32, and the hours per ImageNet epoch at that speed
-#             (pretrain.json; tools/benchmark_pretrain.py --cuda-graph).
+#   tests     (at most 5 min 30 s: 240 + 90 s) the Triton kernels compiled and run on the GPU against
+#             float64 references, the layers through them, the direct launch of the compiled kernels
+#             against Triton's JIT, host synchronisations and CUDA-graph capture (tests/kernels);
+#             pretraining's graphed step against eager training (PRETRAIN.CUDA_GRAPH) and the graphed
+#             backbone against the eager one; then the mixed-precision and trainer tests that need CUDA;
+#   counts    (at most 2 min 30 s: 90 + 60 s) every layer's kernel launches and syncs per training step,
+#             with the profiler's kernel count beside them, the host's work of a training step and an
+#             evaluation forward with the Triton launches skipped (counts.json; tools/count_launches.py
+#             --host-time); then each layer's step with Triton's ordinary launch path and the direct
+#             launch, side by side (launch.json; tools/benchmark_launch.py);
+#   norms     (at most 2 min 30 s: 90 + 60 s) SN's, DN's and MGN's forward + backward at the four
+#             detection shapes beside torch's GroupNorm, fp32 with a profile of one step of each, then
+#             under AMP (norms.json, norms_amp.json; tools/benchmark_norms.py);
+#   train     (at most 5 min: 150 + 150 s) a Mask R-CNN R50-FPN training step and inference at 2 images
+#             of 800 px, the SN paper's setting, GN, SN, DN and MGN everywhere (train.json); then at 2
+#             images of 1024 x 1024, the large-scale-jitter recipe with AMP, GN and SN with the backbone
+#             and FPN replayed as CUDA graphs and GN without (train_lsj.json; tools/benchmark_train.py
+#             --graphed-backbone); on the embedded detection set (generated on first use);
+#   pretrain  (at most 1 min 30 s: 90 s) a ResNet-50 pretraining step at 224 px, 32 images per GPU (256
+#             over 8), BN and SN, eager and captured in a CUDA graph (NORM+graph), fp32, and the hours per
+#             ImageNet epoch at that speed (pretrain.json; tools/benchmark_pretrain.py --cuda-graph).
 #
 #     tools/gpu_checks.sh OUTDIR [STEP...]     # default: every step; PYTHON=... picks the interpreter
 #
-# Sized for a session's 15 minutes of device time: two calls, `tests` (about 4 minutes, Triton's
-# compilations included) and then `counts norms train pretrain` (about 6), each step within its time limit
-# below. Every step runs whatever the previous ones gave; the log is OUTDIR/gpu_checks.log, and the exit
-# status is that of the first step that failed.
+# Every step runs whatever the previous ones gave; the log is OUTDIR/gpu_checks.log, and the exit status is
+# that of the first step that failed.
 #
 # Needs torch with CUDA, Triton 3 or newer, detectron2, pytest and pytest-xdist. On a machine without
 # detectron2 and without a registry, carry what tools/gpu_carry.sh assembles here, in .gpu/, and run

@@ -11,7 +11,7 @@ from .conventions import INPUT_CONVENTIONS, InputConvention
 from .files import write_checkpoint
 from .report import ConversionError, ConversionReport
 from .resnet import TARGET_NORMS
-from .sources import SOURCES, convert_file, default_norm
+from .sources import SOURCES, convert_file, default_norm, weights_terms
 
 __all__ = [
     "INPUT_CONVENTIONS",
@@ -22,5 +22,6 @@ __all__ = [
     "InputConvention",
     "convert_file",
     "default_norm",
+    "weights_terms",
     "write_checkpoint",
 ]

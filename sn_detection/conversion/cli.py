@@ -1,7 +1,8 @@
 """``tools/convert_pretrained.py SRC DST --source {sn,torchvision,gn} [--norm {BN,SN,GN}] [--verbose]``.
 
 Writes DST only when every backbone tensor converted, then prints the report (converted, initialised,
-skipped, mismatched, missing keys and the input convention the source needs). A refused file gets no
+skipped, mismatched, missing keys and the input convention the source needs), the file it wrote and the
+terms of the weights it was converted from (``sources.weights_terms``). A refused file gets no
 report: the error comes first, then only the keys that do not fit, then that nothing was written; the
 exit status is 2.
 """
@@ -9,11 +10,12 @@ exit status is 2.
 import argparse
 import os
 import sys
+import textwrap
 
 from .files import write_checkpoint
 from .report import ConversionError
 from .resnet import TARGET_NORMS
-from .sources import SOURCES, convert_file
+from .sources import SOURCES, convert_file, weights_terms
 
 EXIT_FAILURE = 2
 
@@ -57,4 +59,6 @@ def main(argv=None) -> int:
         return EXIT_FAILURE
     print(report.format(args.verbose))
     print(f"wrote {args.dst}")
+    terms = f"licence: {weights_terms(args.source)}"
+    print(textwrap.fill(terms, width=100, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False))
     return 0

@@ -33,6 +33,13 @@ EXPECTED_LAYOUT = (
     "a pickle of {'blobs': {name: numpy array}} (or the bare blob dict) with Caffe2 names conv1_w, "
     "conv1_gn_s, conv1_gn_b, res{2-5}_{i}_branch{2a,2b,2c,1}_{w,gn_s,gn_b}"
 )
+# the terms of the weights, which the converter prints beside the file it writes (docs/pretrained_weights.md)
+WEIGHTS_TERMS = (
+    "Detectron's GN ImageNet weights: detectron2's MODEL_ZOO.md lists R-50-GN.pkl and R-101-GN.pkl and states "
+    "that all models available for download through it are licensed under CC BY-SA 3.0 (attribution, "
+    "share-alike: https://creativecommons.org/licenses/by-sa/3.0/). This file is converted from them: check "
+    "that licence's attribution and share-alike terms for what you distribute."
+)
 
 _BLOB = re.compile(r"(?:conv1|res([2-5])_(\d+)_branch(2a|2b|2c|1))_(w|gn_s|gn_b)")
 _CONVS = {"2a": "conv1", "2b": "conv2", "2c": "conv3", "1": "shortcut"}

@@ -41,6 +41,13 @@ EXPECTED_LAYOUT = (
     "sn1.{weight,bias,mean_weight,var_weight,running_mean,running_var}, layerK.i.conv{1,2,3}.weight, "
     "layerK.i.sn{1,2,3}.*, layerK.i.downsample.{0.weight,1.*}, optionally prefixed by 'module.'"
 )
+# the terms of the weights, which the converter prints beside the file it writes (docs/pretrained_weights.md)
+WEIGHTS_TERMS = (
+    "the SN authors' ImageNet weights: the README of their repository "
+    "(https://github.com/switchablenorms/Switchable-Normalization) releases all its materials under CC BY-NC 4.0 "
+    "(attribution, non-commercial: https://creativecommons.org/licenses/by-nc/4.0/). This file is converted from "
+    "them: check that licence before using it, or a detector finetuned from it, for anything commercial."
+)
 
 NAMES = TorchvisionNames("sn", ("weight", "bias", "mean_weight", "var_weight", "running_mean", "running_var"))
 

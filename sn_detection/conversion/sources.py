@@ -37,6 +37,12 @@ _LAYOUT_SIGNS = (
 )
 
 
+def weights_terms(source: str) -> str:
+    """What is known of the terms of ``source``'s released weights, which a file converted from them inherits
+    (printed beside the written file; docs/pretrained_weights.md)."""
+    return _module(source).WEIGHTS_TERMS
+
+
 def default_norm(source: str) -> str:
     """The norm a source's network was trained with, hence the default output norm."""
     return _module(source).SOURCE_NORM

@@ -38,6 +38,15 @@ EXPECTED_LAYOUT = (
     "a torch.save'd state dict holding conv1.weight, bn1.{weight,bias,running_mean,running_var}, "
     "layerK.i.conv{1,2,3}.weight, layerK.i.bn{1,2,3}.*, layerK.i.downsample.{0.weight,1.*}"
 )
+# the terms of the weights, which the converter prints beside the file it writes (docs/pretrained_weights.md)
+WEIGHTS_TERMS = (
+    "torchvision's ImageNet weights: torchvision names no licence for its ResNet weights; its README says its "
+    "pre-trained models may have their own licenses or terms derived from the dataset used for training, and that "
+    "it is the "
+    "user's responsibility to determine whether they have permission to use them. Its ResNets were trained on "
+    "ImageNet-1k, whose terms of access allow the use of the database only for non-commercial research and "
+    "educational purposes. This file is converted from them: check both before using it outside research."
+)
 
 
 class TorchvisionNames:

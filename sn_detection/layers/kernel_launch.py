@@ -14,6 +14,17 @@ all:
 
 Outside them a launch costs one test of a module variable that only they set.
 
+Two switches turn the Triton path off for a whole process, to debug it on a GPU. Each is an environment
+variable read once, when this package's layers are imported (``environment_switch``): 1 or unset is on, 0
+off, anything else an error at import naming the variable and its values. Reading them at import, not per
+call plan, gives a process one setting: the layers' call plans, made and kept on first calls
+(``base.NormBase.call_plan``), never mix the two. To change one, start a new process.
+
+- ``SN_DETECTION_KERNELS=0`` (``map_passes``): CUDA tensors take the layers' PyTorch path, no Triton kernel
+  (as on a machine without Triton 3, without its warning);
+- ``SN_DETECTION_DIRECT_LAUNCH=0`` (here): every launch takes Triton's ordinary path, as within an
+  ``ordinary_launches()`` block for the whole process (``direct_launch()`` says which is in effect).
+
 Importing this module never fails: without Triton, ``available()`` is False (and ``triton``, ``tl`` are None).
 Without a GPU, Triton's interpreter runs the kernels on the CPU (numpy, slow: tests only) when
 TRITON_INTERPRET=1 is set *before the kernels are defined* (``triton.jit`` decides at decoration time), which
@@ -46,7 +57,8 @@ arguments); one that distinguishes more only costs an extra trip through the ord
 no part of a specialization: it is read on every launch, as the JIT reads it.
 
 All of this is Triton-internal, and was read for Triton 3.6.0 and 3.8.0 (``TRITON_VERSIONS``). These take
-the ordinary path, every time: any other version; the interpreter (TRITON_INTERPRET=1, whose kernels are
+the ordinary path, every time: any other version; a process started with ``SN_DETECTION_DIRECT_LAUNCH=0``;
+the interpreter (TRITON_INTERPRET=1, whose kernels are
 no ``JITFunction``); a kernel with pre-run hooks, or a custom pipeline hook
 (``knobs.runtime.add_stages_inspection_hook``); a grid that is not a tuple; an argument without a key, a
 positional argument for a constexpr parameter, a keyword value of another type than bool, int, float, str
@@ -78,6 +90,8 @@ __all__ = [
     "available",
     "cdiv",
     "counts",
+    "direct_launch",
+    "environment_switch",
     "interpreting",
     "launch",
     "launch_key",
@@ -96,6 +110,30 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 TRITON_VERSIONS = ("3.6.0", "3.8.0")  # whose JITFunction.run, CompiledKernel and CUDA launcher were read
 _VERSION_READ = triton is not None and triton.__version__ in TRITON_VERSIONS
+DIRECT_LAUNCH_VARIABLE = "SN_DETECTION_DIRECT_LAUNCH"
+
+
+def environment_switch(name: str, off: str, on: str) -> bool:
+    """The on/off environment variable ``name`` (module docstring): True where it is unset, empty or 1, False
+    where it is 0; any other value raises a ValueError naming the variable and what 0 (``off``) and 1 (``on``)
+    do."""
+    value = os.environ.get(name, "").strip()
+    if value in ("", "1"):
+        return True
+    if value == "0":
+        return False
+    raise ValueError(f"{name}={value!r} is invalid: set it to 0 ({off}) or 1 ({on}; the default), or leave it unset")
+
+
+# the direct launch, unless the switch turns it off (read once: module docstring)
+_DIRECT = (
+    environment_switch(
+        DIRECT_LAUNCH_VARIABLE,
+        off="every kernel through Triton's ordinary launch",
+        on="compiled kernels launched directly where Triton's version is one read",
+    )
+    and _VERSION_READ
+)
 if _VERSION_READ:  # other versions touch none of Triton's internals
     from triton import knobs
     from triton.compiler.compiler import CompiledKernel
@@ -164,6 +202,13 @@ def next_pow2(value: int) -> int:
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) of ints, in plain Python (``triton.cdiv`` goes through the JIT's call machinery)."""
     return -(-a // b)
+
+
+def direct_launch() -> bool:
+    """Whether a launch whose key was recorded goes straight to its compiled kernel (outside an
+    ``ordinary_launches`` block): this process's Triton is one whose internals were read, and
+    ``SN_DETECTION_DIRECT_LAUNCH`` is not 0."""
+    return _DIRECT
 
 
 def version_supported() -> bool:
@@ -252,7 +297,7 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
 def _launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     """``kernel[grid](*args, **meta)``, through the compiled kernel recorded for its launch key where there
     is one (module docstring)."""
-    if not _VERSION_READ or _bypass or type(kernel) is not JITFunction or type(grid) is not tuple:
+    if not _DIRECT or _bypass or type(kernel) is not JITFunction or type(grid) is not tuple:
         _ordinary(kernel, grid, args, meta)
         return
     runtime = knobs.runtime

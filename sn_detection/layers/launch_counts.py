@@ -21,6 +21,10 @@ group norm, for one), so for other code the count is a lower bound.
 ``layer_counts`` counts every layer of ``build_norm`` beside torch's GroupNorm and BatchNorm
 (``tools/count_launches.py``).
 
+``KERNEL_PATH_COUNTS`` is what each layer with kernels asks of the device on the kernel path, as the docs
+state it (README, docs/layers.md, docs/benchmarks.md): the one place those numbers are written, which
+tests/kernels/test_launches.py holds the code to exactly and tests/test_documented_counts.py the docs.
+
 ``kernel_launch.skipped_launches`` runs a layer with no Triton kernel, so that the host's work around its
 kernels (its Python and ATen calls) can be timed on any machine with the kernel path
 (``tools/count_launches.py --host-time``). On a GPU a layer whose kernels take less time than this is bound
@@ -50,6 +54,29 @@ _SYNCS = frozenset({
 })  # fmt: skip
 # indexing with a boolean mask computes the mask's nonzero positions first
 _INDEXING = frozenset({"index", "_index_put_impl_", "index_put", "index_put_"})
+
+
+class KernelPathCounts(NamedTuple):
+    """A layer's counts on the kernel path: Triton launches per training forward + backward (gradients set
+    to None first, as ``zero_grad`` leaves them) and per inference forward (evaluation mode, no gradients),
+    both with no other launch, and allocations per training step."""
+
+    training: int
+    inference: int
+    allocations: int
+
+
+# every layer with Triton kernels (GN is torch's GroupNorm), in one process (SyncSN across processes adds
+# its all-reduces)
+KERNEL_PATH_COUNTS = {
+    "SN": KernelPathCounts(training=6, inference=3, allocations=10),
+    "SyncSN": KernelPathCounts(training=6, inference=3, allocations=10),
+    "DN": KernelPathCounts(training=7, inference=3, allocations=10),
+    "MGN": KernelPathCounts(training=6, inference=3, allocations=10),
+    "MN": KernelPathCounts(training=6, inference=3, allocations=10),
+    "BNSR": KernelPathCounts(training=6, inference=1, allocations=9),
+    "PONO": KernelPathCounts(training=3, inference=1, allocations=6),
+}
 
 
 def _has_mask_index(args) -> bool:
@@ -107,6 +134,11 @@ def recorded_kernels() -> Iterator[list]:
 
     with observed_launches(observe):
         yield names
+
+
+def triton_launches(counts: DispatchCount) -> int:
+    """The Triton kernel launches among ``counts``' launches."""
+    return sum(number for name, number in counts.operations.items() if name.startswith("triton:"))
 
 
 def count_dispatch(function: Callable[[], object]) -> DispatchCount:

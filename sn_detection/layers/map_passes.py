@@ -45,7 +45,8 @@ The kernel path: CUDA tensors with Triton 3 or newer, and, for CPU tensors, Trit
 (``TRITON_INTERPRET=1``, tests only); float32, float16 or bfloat16, NCHW-contiguous or channels_last.
 Elsewhere (float64, other layouts) the PyTorch implementation runs. Where Triton is missing or older than 3,
 CUDA tensors take the PyTorch path too, and the first layer to plan a call on one says so, once per process
-(``warn_if_kernels_off``).
+(``warn_if_kernels_off``). A process started with ``SN_DETECTION_KERNELS=0`` takes the PyTorch path on every
+tensor, without the warning (read once, at import: ``kernel_launch``'s switches).
 
 The Triton implementation. One kernel each, reading fp16 / bf16 inputs directly (no fp32 copy); loads are
 widened to float32 and all arithmetic and accumulation is float32; full-size outputs are rounded once to
@@ -129,6 +130,11 @@ def _triton_version_ok() -> bool:
 
 
 _TRITON = _triton_version_ok()
+KERNELS_VARIABLE = "SN_DETECTION_KERNELS"
+# whether the kernels are wanted at all (read once: kernel_launch's switches)
+_KERNELS_WANTED = kernel_launch.environment_switch(
+    KERNELS_VARIABLE, off="the layers' PyTorch path on CUDA, no Triton kernel", on="the Triton kernels on CUDA"
+)
 _warned_kernels_off = False
 
 
@@ -145,16 +151,18 @@ def _kernels_off_message() -> str:
     return (
         f"sn_detection: Triton {found}, and the layers' Triton kernels need Triton 3 or newer, so on CUDA the "
         "layers run their plain PyTorch path meanwhile (correct, but many more kernel launches per layer). To run "
-        "the kernels, install a torch that ships Triton 3 (torch >= 2.4 on Linux) or `pip install 'triton>=3'`."
+        "the kernels, install a torch that ships Triton 3 (torch >= 2.4 on Linux) or `pip install 'triton>=3'`; "
+        f"to run without them and without this warning, set {KERNELS_VARIABLE}=0."
     )
 
 
 def warn_if_kernels_off(x: Tensor) -> None:
     """Warn (``KernelsOffWarning``), once per process, when ``x`` is a CUDA tensor and Triton is missing or
-    older than 3. Called when a layer makes a call plan (``base.NormBase.call_plan``), never per call: the
-    warning costs nothing on the calls that follow."""
+    older than 3, unless ``SN_DETECTION_KERNELS=0`` asked for the PyTorch path. Called when a layer makes a
+    call plan (``base.NormBase.call_plan``), never per call: the warning costs nothing on the calls that
+    follow."""
     global _warned_kernels_off
-    if _TRITON or _warned_kernels_off or not x.is_cuda:
+    if _TRITON or not _KERNELS_WANTED or _warned_kernels_off or not x.is_cuda:
         return
     _warned_kernels_off = True
     warnings.warn(_kernels_off_message(), KernelsOffWarning, stacklevel=1)
@@ -162,8 +170,9 @@ def warn_if_kernels_off(x: Tensor) -> None:
 
 def kernel_path(x: Tensor) -> bool:
     """Whether ``x`` is a tensor the Triton kernels take: on CUDA (or on the CPU under Triton's interpreter),
-    float32, float16 or bfloat16, NCHW-contiguous or channels_last (module docstring)."""
-    if not _TRITON or x.dtype not in _KERNEL_DTYPES:
+    float32, float16 or bfloat16, NCHW-contiguous or channels_last, in a process with Triton 3 that did not
+    turn the kernels off (``SN_DETECTION_KERNELS=0``; module docstring)."""
+    if not (_TRITON and _KERNELS_WANTED) or x.dtype not in _KERNEL_DTYPES:
         return False
     on_device = x.is_cuda or (interpreting() and x.device.type == "cpu")
     return on_device and (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last))

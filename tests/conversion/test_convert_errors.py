@@ -190,7 +190,7 @@ def test_a_conversion_prints_its_report_and_what_it_wrote(files, tmp_path, capsy
     out, err = capsys.readouterr()
     assert err == "" and destination.is_file()
     assert out.startswith("source 'torchvision': ResNet-18 -> detectron2 ResNet keys for norm BN\n  converted: 100\n")
-    assert "    INPUT.FORMAT RGB\n" in out and out.endswith(f"wrote {destination}\n")
+    assert "    INPUT.FORMAT RGB\n" in out and f"\nwrote {destination}\nlicence: torchvision's" in out
 
 
 def test_cli_rejects_an_unknown_output_suffix(files, tmp_path, capsys):

@@ -26,6 +26,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from stand_in_gpu import stand_in_jit
 
 from sn_detection.layers import NORM_NAMES, build_norm, kernel_launch
 from sn_detection.layers.kernel_launch import counts, launch_key, ordinary_launches
@@ -158,47 +159,12 @@ def test_arguments_of_other_types_have_no_key():
 # --------------------------------------------------------------------------------------------------
 
 
-class _StandInDriver:
-    """The current device and stream and the target (an H100's), which is all the JIT asks of its driver
-    before it compiles."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device):
-        return 4242
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-
-        return GPUTarget("cuda", 90, 32)
-
-
 @pytest.fixture
-def stand_in_gpu(monkeypatch):
-    """A fresh JITFunction of ``_scaled_copy`` (not the interpreter's, whatever TRITON_INTERPRET says) whose
-    compiled kernels, numbered in order of compilation, record each launcher call as (kernel number,
-    arguments) in the returned list instead of launching."""
-    from triton.compiler.compiler import CompiledKernel
-    from triton.runtime.driver import driver
-    from triton.runtime.jit import JITFunction
-
-    launches, compiled = [], []
-
-    def compile(src, target=None, options=None, **_):
-        kernel = CompiledKernel.__new__(CompiledKernel)  # what the JIT uses of one, without a compiler
-        number = len(compiled)
-        kernel.src, kernel.name, kernel.module, kernel.function = src, f"kernel {number}", object(), 1000 + number
-        kernel.packed_metadata = ("packed", number)
-        kernel._run = lambda *arguments: launches.append((number, arguments))
-        compiled.append(kernel)
-        return kernel
-
-    monkeypatch.setattr(driver, "_active", _StandInDriver())
-    monkeypatch.setattr(triton.compiler, "compile", compile)
-    yield JITFunction(_scaled_copy), launches
-    for kernel in compiled:
-        kernel.module = None  # nothing loaded: nothing for CompiledKernel.__del__ to unload
+def stand_in_gpu():
+    """A fresh JITFunction of ``_scaled_copy`` over a stand-in for the GPU (``stand_in_gpu.stand_in_jit``) and
+    the list of its launcher calls, (kernel number, arguments)."""
+    with stand_in_jit(_scaled_copy) as (kernel, launches):
+        yield kernel, launches
 
 
 def stand_in_calls():
