@@ -26,6 +26,7 @@ demo:
 # in a second environment with current torch and Triton (the reference stack's Triton 2.3.1 cannot
 # interpret them), with the layer tests that go through them there.
 KERNEL_TESTS := tests/kernels tests/layers/test_moment_normalizer.py tests/layers/test_edge_cases.py \
+	tests/layers/test_layer_export.py tests/layers/test_inference.py \
 	tests/layers/test_numerics.py::test_fp32_is_as_accurate_as_batch_norm \
 	tests/layers/test_call_plans.py::test_planned_calls_compute_what_a_layer_deciding_anew_computes
 

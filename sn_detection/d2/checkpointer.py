@@ -14,6 +14,7 @@ raises instead:
   training checkpoint of another code base, say);
 - ``ValueError`` when not one tensor of the checkpoint loads into the model: a checkpoint of another
   architecture, or an ImageNet model that ``tools/convert_pretrained.py`` has not converted;
+- ``ValueError`` for a file whose norms were folded for inference (``folding``) into a model that is not;
 - ``ValueError`` when a layer of ours in the file is of another norm or options than the model's (the
   identity each saves, ``layers.base``; detectron2's own loader fails there too, with torch's
   RuntimeError), listing every such layer;
@@ -44,6 +45,7 @@ from detectron2.checkpoint import DetectionCheckpointer
 from torch import nn
 
 from ..layers import IDENTITY_KEY
+from .folding import FoldedModelError, check_loadable
 
 _EXAMPLES = 3  # keys quoted in a message
 _NAMES_SHOWN = 5  # non-finite tensors named in a message
@@ -122,6 +124,10 @@ class CheckedCheckpointer(DetectionCheckpointer):
 
     def _load_model(self, checkpoint):
         saved = {key.removeprefix("module.") for key in checkpoint["model"]}  # detectron2 strips DDP's prefix
+        try:
+            check_loadable(saved, self.model, self._loading)
+        except FoldedModelError as error:
+            raise ValueError(str(error)) from error
         try:
             incompatible = super()._load_model(checkpoint)
         except RuntimeError as error:  # torch's load_state_dict: our layers' identities differ (``layers.base``)

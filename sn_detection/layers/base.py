@@ -69,6 +69,7 @@ import torch
 from torch import Tensor, nn
 
 from . import map_passes
+from .inference import EvaluationForm
 from .options import Rule, check_num_channels, check_options
 
 IDENTITY_KEY = "_extra_state"  # where torch saves get_extra_state(), after the module's prefix
@@ -127,6 +128,11 @@ class NormBase(nn.Module):
     def extra_repr(self) -> str:
         """The channel count and every option, as the constructor takes them."""
         return ", ".join([str(self.num_channels), *(f"{name}={getattr(self, name)}" for name in self.option_rules)])
+
+    def evaluation_form(self):
+        """What this layer is at inference (``inference.evaluation_form``): by default itself, for layers that
+        already evaluate as one moments pass and one affine pass; layers that reduce to less say so."""
+        return EvaluationForm(None, self)
 
     # identity -------------------------------------------------------------------------------------------
 

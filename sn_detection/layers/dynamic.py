@@ -66,6 +66,7 @@ Choices the poster leaves open, and how they are settled here:
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -73,6 +74,8 @@ from torch import Tensor, nn
 
 from . import map_passes
 from .dynamic_kernels import DynamicKernels
+from .group import GroupNorm2d
+from .inference import ChannelAffine, EvaluationForm
 from .moment_normalizer import MomentNormalizer, affine_from_moments, per_channel
 from .options import BOOLEAN, MOMENTUM, POSITIVE, POSITIVE_INT, Rule
 from .running import RunningMoments, group_sums, moments_from_sums
@@ -207,14 +210,72 @@ class DynamicNorm2d(MomentNormalizer, RunningMoments):
             pools_batch=bool(self.batch_gate.detach() > 0),
         )
 
+    def evaluation_form(self) -> EvaluationForm:
+        """At inference (``inference``): with the batch gate on, the statistics are the running ones pooled by
+        the channel gates, constants, so the layer is a ``ChannelAffine``; with it off and contiguous groups, it
+        is GN with that many groups; with strided groups, itself."""
+        grouping = self.selected_grouping()
+        with torch.no_grad():
+            if grouping.pools_batch:
+                mean, var = self._pool_channels(self.running_mean[None].double(), self.running_var[None].double())
+                return EvaluationForm(
+                    ChannelAffine.of_statistics(mean[0], var[0], self.weight, self.bias, self.eps), None
+                )
+            if grouping.contiguous:
+                group_norm = GroupNorm2d(self.num_channels, num_groups=grouping.num_groups, eps=self.eps)
+                group_norm.to(self.weight.device, self.weight.dtype)
+                group_norm.weight.copy_(self.weight)
+                group_norm.bias.copy_(self.bias)
+                return EvaluationForm(None, group_norm.requires_grad_(False).eval())
+        return EvaluationForm(None, self)
+
     def scale_and_shift(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         """The per-(n, c) scale and shift this layer applies, y = (x - mean_in) * scale + shift, from the IN
         mean and variance of an input with ``spatial_size`` = H * W, each (N, C) or, in evaluation,
         (N, C, 1, 1); updates the running statistics in training."""
-        mean, var = self._pool_batch(mean_in, var_in, spatial_size)
-        mean, var = self._pool_channels(mean, var)
+        if not torch.jit.is_scripting() and not self.training and self._gates_readable():
+            mean, var = self._selected_pooling(mean_in, var_in)
+        else:
+            mean, var = self._pool_batch(mean_in, var_in, spatial_size)
+            mean, var = self._pool_channels(mean, var)
         weight, bias = per_channel(self.weight, mean_in), per_channel(self.bias, mean_in)
         return affine_from_moments(weight, bias, mean - mean_in, var + self.eps)
+
+    @torch.jit.unused
+    def _gates_readable(self):
+        """Whether evaluation may read the hard gates on the host: in a trace (where they are constants of the
+        recorded graph), or with parameters on the CPU (no synchronization) when no gate needs its
+        straight-through gradient; not under torch.compile / torch.export (whose parameters have no values)."""
+        if torch.compiler.is_compiling():
+            return False
+        if torch.jit.is_tracing():
+            return True
+        gates_need_grad = torch.is_grad_enabled() and (
+            self.channel_gates.requires_grad or self.batch_gate.requires_grad
+        )
+        return self.channel_gates.device.type == "cpu" and not gates_need_grad
+
+    @torch.jit.unused
+    def _selected_pooling(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
+        """Evaluation's statistics with the hard gates read: the running ones if the batch gate is on, else the
+        sample's, pooled over every sub-axis whose gate is on in one reduction (the law of total variance over
+        equal groups), which is what the gated mixtures give at gates of exactly 0 and 1 (``_pool_batch``,
+        ``_pool_channels``), in a handful of operations."""
+        with warnings.catch_warnings():  # a trace records the gates as the constants they are in evaluation
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            gates_on = (self.channel_gates.detach() > 0).tolist()
+            pools_batch = bool(self.batch_gate.detach() > 0)
+        if pools_batch:
+            mean, var = per_channel(self.running_mean, mean)[None], per_channel(self.running_var, mean)[None]
+        dims = [dim for dim, on in zip(self._gated_dims, gates_on) if on]
+        if not dims:
+            return mean, var
+        shape, rows = mean.shape, mean.shape[0]
+        mean = mean.reshape([rows] + self._subaxis_shape)
+        var = var.reshape([rows] + self._subaxis_shape)
+        pooled = mean.mean(dims, keepdim=True)
+        var = (var + (mean - pooled).square()).mean(dims, keepdim=True)
+        return pooled.expand_as(mean).reshape(shape), var.expand_as(mean).reshape(shape)
 
     @torch.jit.unused
     def fused_plan(self, x: Tensor) -> DynamicKernels | None:

@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import map_passes
+from .inference import ChannelAffine, EvaluationForm
 from .mode_kernels import ModeGroupKernels, ModeKernels
 from .moment_normalizer import MomentNormalizer
 from .options import MOMENTUM, POSITIVE, POSITIVE_INT
@@ -98,6 +99,16 @@ class ModeNorm2d(MomentNormalizer, RunningMoments):
         """Affine 1, 0; the gate as torch initialises a Linear; running statistics reset."""
         super().reset_parameters()
         self.gate.reset_parameters()
+
+    def evaluation_form(self) -> EvaluationForm:
+        """At inference (``inference``): with one mode, BatchNorm with the running statistics, a
+        ``ChannelAffine``; else itself."""
+        if self.num_modes == 1:
+            affine = ChannelAffine.of_statistics(
+                self.running_mean[0], self.running_var[0], self.weight, self.bias, self.eps
+            )
+            return EvaluationForm(affine, None)
+        return EvaluationForm(None, self)
 
     def gate_logits(self, mean: Tensor) -> Tensor:
         """Psi(s_n) of each sample from its per-channel means (N, C): (N, K), in mean's dtype."""

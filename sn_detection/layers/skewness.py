@@ -23,9 +23,10 @@ Choices the paper leaves open:
 """
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from . import map_passes
+from .inference import ChannelAffine, EvaluationForm
 from .map_passes import as_dtype, exporting, stat_dtype
 from .moment_normalizer import check_input, instance_moments, per_channel, scale_shift
 from .options import MOMENTUM, POSITIVE
@@ -65,6 +66,26 @@ def signed_power(z: Tensor, p: float) -> Tensor:
     return _SignedPower.apply(z, p)
 
 
+class SignedPowerAffine(nn.Module):
+    """weight * phi_p(z) + bias per channel of (N, C, H, W) input: BNSR at inference after its standardization,
+    which is a constant affine (``SkewnessReducedBatchNorm2d.evaluation_form``). Computed in the statistics
+    dtype, returned in the input's."""
+
+    def __init__(self, p: float, weight: Tensor, bias: Tensor):
+        super().__init__()
+        self.p = p
+        self.register_buffer("weight", weight.detach().clone())
+        self.register_buffer("bias", bias.detach().clone())
+
+    def forward(self, z: Tensor) -> Tensor:
+        zs = as_dtype(z, stat_dtype(z))
+        y = signed_power(zs, self.p) * per_channel(self.weight, zs) + per_channel(self.bias, zs)
+        return as_dtype(y, z.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.numel()}, p={self.p}"
+
+
 class SkewnessReducedBatchNorm2d(RunningMoments):
     """BNSR over (N, C, H, W) inputs; drop-in for ``BatchNorm2d`` (same parameters and buffers)."""
 
@@ -102,6 +123,12 @@ class SkewnessReducedBatchNorm2d(RunningMoments):
         if map_passes.kernel_path(x) and x.numel() > 0 and self._batch_average is None:
             return SkewnessKernels(self, x)
         return None
+
+    def evaluation_form(self) -> EvaluationForm:
+        """At inference (``inference``): the standardization with the running statistics, a constant affine,
+        then ``SignedPowerAffine``."""
+        standardization = ChannelAffine.of_statistics(self.running_mean, self.running_var, None, None, self.eps)
+        return EvaluationForm(standardization, SignedPowerAffine(self.p, self.weight, self.bias))
 
     @torch.jit.unused
     def exported_forward(self, x: Tensor) -> Tensor:

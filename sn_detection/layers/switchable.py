@@ -128,6 +128,18 @@ class SyncSwitchableNorm2d(SwitchableNorm2d):
         return SwitchableKernels(self, x, pooled=True)
 
     @torch.jit.unused
+    def exported_forward(self, x: Tensor) -> Tensor:
+        """SN's (``moment_normalizer``), except in training across several processes, which no exporter can
+        record: the BN branch all-reduces over the process group."""
+        if self.training and self.use_bn and _several_processes():
+            raise RuntimeError(
+                "SyncSwitchableNorm2d cannot be exported in training mode across several processes: its BN branch "
+                "all-reduces over the process group, which no exporter records. Export the model in evaluation "
+                "mode (model.eval()), where SyncSN computes what SN does"
+            )
+        return super().exported_forward(x)
+
+    @torch.jit.unused
     def plan_context(self) -> bool:
         """Whether the BN branch pools over several processes: a plan made before the process group was
         initialized (or after it was destroyed) is not taken."""
