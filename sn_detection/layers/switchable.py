@@ -74,18 +74,21 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
     def scale_and_shift(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         """The per-(n, c) scale and shift this layer applies, y = (x - mean_in) * scale + shift, from the IN
         mean and variance (N, C) of an input with ``spatial_size`` = H * W; updates the running statistics
-        in training."""
-        mean_ln, var_ln = layer_moments(mean_in, var_in)
+        in training. Only the branches of ``used_branches()`` are computed."""
+        mean_weights, var_weights = self.branch_weights(mean_in.dtype)
+        used = self.used_branches()
         # the means as offsets from mean_in (IN's own offset is 0): differences of nearby values keep
         # their digits, which the centred output needs (``moment_normalizer``)
-        offsets, variances = [torch.zeros_like(mean_in), mean_ln - mean_in], [var_in, var_ln]
-        if self.use_bn:
+        offset = torch.zeros_like(mean_in)
+        var = var_weights[0] * var_in if used[0] else torch.zeros_like(var_in)
+        if used[1]:
+            mean_ln, var_ln = layer_moments(mean_in, var_in)
+            offset = offset + mean_weights[1] * (mean_ln - mean_in)
+            var = var + var_weights[1] * var_ln
+        if used[2]:
             mean_bn, var_bn = self._batch_branch(mean_in, var_in, spatial_size)
-            offsets.append(mean_bn - mean_in)
-            variances.append(var_bn)
-        mean_weights, var_weights = self.branch_weights(mean_in.dtype)
-        offset = _mix(mean_weights, offsets)
-        var = _mix(var_weights, variances)
+            offset = offset + mean_weights[2] * (mean_bn - mean_in)
+            var = var + var_weights[2] * var_bn
         return affine_from_moments(self.weight, self.bias, offset, var, self.eps)
 
     def branch_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -93,6 +96,17 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
         in ``dtype``: softmax(mean_weight), softmax(var_weight)."""
         # in the statistics' dtype even for fp16 logits (model.half())
         return torch.softmax(self.mean_weight.to(dtype), 0), torch.softmax(self.var_weight.to(dtype), 0)
+
+    def used_branches(self) -> list[bool]:
+        """Whether the mixture computes each branch [IN, LN, BN]: every branch the layer has."""
+        return [True, True, self.use_bn]
+
+    def logit_gradients(
+        self, mean_weights: Tensor, var_weights: Tensor, grad_mean_weights: Tensor, grad_var_weights: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The gradients of ``mean_weight`` and ``var_weight`` from those of the weights ``branch_weights``
+        gave (the closed forms' backward): the softmax's, w * (g - sum_k w_k g_k)."""
+        return _softmax_backward(mean_weights, grad_mean_weights), _softmax_backward(var_weights, grad_var_weights)
 
     @torch.jit.unused
     def fused_plan(self, x: Tensor) -> FusedPlan | None:
@@ -148,9 +162,6 @@ def _several_processes() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _mix(weights: Tensor, statistics: list[Tensor]) -> Tensor:
-    """sum_k weights_k * statistics_k, broadcasting (N, C), (N, 1) and (C,) to (N, C)."""
-    mixed = weights[0] * statistics[0]
-    for k in range(1, len(statistics)):  # a loop TorchScript compiles (it takes no generator)
-        mixed = mixed + weights[k] * statistics[k]
-    return mixed
+def _softmax_backward(weights: Tensor, grad_weights: Tensor) -> Tensor:
+    """The gradient of the logits of ``weights = softmax(logits)``."""
+    return weights * (grad_weights - (weights * grad_weights).sum())

@@ -758,16 +758,6 @@ class SwitchableClosedForms:
                 column_g, column_h = g.sum(0), h.sum(0)
                 grad_m = grad_m + (a[2] * column_h - 2 * b[2] * column_g * to_bn) / n
                 grad_v = grad_v + b[2] * column_g / n
-        grads = [
-            (e * r).sum(0),
-            total.sum(0),
-            _softmax_backward(a, torch.stack(grad_a)),
-            _softmax_backward(b, torch.stack(grad_b)),
-        ]
+        grads = [(e * r).sum(0), total.sum(0), *layer.logit_gradients(a, b, torch.stack(grad_a), torch.stack(grad_b))]
         grads = [grad.to(parameter.dtype) for grad, parameter in zip(grads, parameters)]
         return (2 * grad_v / self.spatial, grad_m / self.spatial), grads
-
-
-def _softmax_backward(weights: Tensor, grad_weights: Tensor) -> Tensor:
-    """The gradient of the logits of ``weights = softmax(logits)``."""
-    return weights * (grad_weights - (weights * grad_weights).sum())
