@@ -60,6 +60,7 @@ import torch
 from torch import Tensor, nn
 
 from . import map_passes
+from .kernel_launch import interpreting
 from .options import is_number
 from .running import _is_replaying
 from .switchable import SwitchableNorm2d, SyncSwitchableNorm2d
@@ -155,6 +156,13 @@ class SparseSwitchableNorm2d(SwitchableNorm2d):
         self.radius.fill_(radius)
         self.iteration.fill_(iteration)
 
+    @torch.jit.unused
+    def sparsity_buffers(self) -> tuple[Tensor, ...]:
+        """``(radius, iteration, mean_fixed, var_fixed, mean_fixed_at, var_fixed_at)``, read from the buffer dict
+        (for the kernels: attribute lookups cost a layer call host time)."""
+        b = self._buffers
+        return b["radius"], b["iteration"], b["mean_fixed"], b["var_fixed"], b["mean_fixed_at"], b["var_fixed_at"]
+
     def branch_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The importance weights of the branches [IN, LN(, BN)] for the means and for the variances, in
         ``dtype``: SparsestMax(mean_weight, radius), SparsestMax(var_weight, radius), or the one-hot vector of
@@ -193,8 +201,8 @@ class SparseSwitchableNorm2d(SwitchableNorm2d):
     @torch.jit.unused
     def chosen_branches(self) -> tuple[int, int] | None:
         """(mean branch, variance branch) once both are fixed, read on the host where that needs no device
-        (the buffers on the CPU, eager); else None."""
-        if self.mean_fixed.device.type != "cpu" or _in_graph():
+        (the buffers on the CPU, eager, and no Triton interpreter standing in for a device); else None."""
+        if self.mean_fixed.device.type != "cpu" or interpreting() or _in_graph():
             return None
         mean, var = int(self.mean_fixed), int(self.var_fixed)
         return (mean, var) if mean >= 0 and var >= 0 else None

@@ -55,6 +55,7 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
 
     option_rules = {"eps": POSITIVE, "momentum": MOMENTUM, "use_bn": BOOLEAN}
     gate_parameters = ("mean_weight", "var_weight")
+    branch_mapping = "softmax"  # the mapping from logits to weights in the fused kernels
 
     def __init__(self, num_channels: int, *, eps: float = 1e-5, momentum: float | None = 0.1, use_bn: bool = True):
         super().__init__(num_channels, eps=eps, momentum=momentum, use_bn=use_bn)

@@ -23,7 +23,7 @@ from sn_detection.layers.launch_counts import count_dispatch, count_training_ste
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 # launches per training forward + backward, gradients set to None first (zero_grad's default)
-TARGETS = {"SN": 12, "SyncSN": 12, "MGN": 12, "BNSR": 12, "MN": 14, "DN": 20, "PONO": 4}
+TARGETS = {"SN": 12, "SyncSN": 12, "SSN": 12, "SyncSSN": 12, "MGN": 12, "BNSR": 12, "MN": 14, "DN": 20, "PONO": 4}
 
 
 def features(layout=torch.contiguous_format, n=2):
@@ -35,7 +35,7 @@ def features(layout=torch.contiguous_format, n=2):
 
 # allocations per training step: each is a call into the allocator, host time on a GPU (the (N, C) vectors,
 # the parameters' gradients, the output and grad_x)
-ALLOCATIONS = {"SN": 10, "SyncSN": 10, "MGN": 10, "MN": 10, "DN": 10, "BNSR": 9, "PONO": 6}
+ALLOCATIONS = {"SN": 10, "SyncSN": 10, "SSN": 10, "SyncSSN": 10, "MGN": 10, "MN": 10, "DN": 10, "BNSR": 9, "PONO": 6}
 
 
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
