@@ -46,7 +46,7 @@ def add_pretrain_config(cfg: CN) -> None:
     # after the last iteration, the batch-dependent statistics (BN, SN's BN branch, DN) become those of
     # this many training batches (the SN paper's batch average; 0: keep the moving averages)
     cfg.PRETRAIN.BATCH_AVERAGE_BATCHES = 50
-    cfg.PRETRAIN.SYNC_NORMS = False  # SN -> SyncSN, BN -> SyncBN: batch statistics over all processes
+    cfg.PRETRAIN.SYNC_NORMS = False  # SN -> SyncSN, SSN -> SyncSSN, BN -> SyncBN: batch statistics over all processes
     cfg.PRETRAIN.AMP = False
     # capture the training step (forward, backward, SGD step) in a CUDA graph after a few eager steps and
     # replay it (graphed_step): the losses of eager training to float32 rounding, without the host's cost per
