@@ -4,6 +4,7 @@ its gradients, the one-hot freeze and its state, and the layer against the SN eq
 import copy
 import functools
 import math
+import warnings
 
 import pytest
 import torch
@@ -358,3 +359,17 @@ def test_the_schedule_sets_every_layer():
     assert linear_radius(0, 1000) == 0.0 and linear_radius(1000, 1000) == 1.0 and linear_radius(999, 1000) == 0.999
     assert linear_radius(5, 10, start=0.2, end=0.8) == pytest.approx(0.5)
     assert isinstance(model[2], SyncSparseSwitchableNorm2d) and model[2].mean_weight.shape == (2,)
+
+
+def test_a_fixed_layer_traces_without_reading_its_choices():
+    # a trace must not bake in a host read of the fixed branches: it computes the mixture with one-hot weights
+    layer = layer_with(LOGITS[1], 0.3, dtype=torch.float32).eval()
+    layer.mean_fixed.fill_(2)
+    layer.var_fixed.fill_(0)
+    x = features(dtype=torch.float32)
+    with warnings.catch_warnings(), torch.no_grad():  # inference, as detectron2's export traces
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the input checks' shapes
+        traced = torch.jit.trace(layer, (x,), check_trace=False)
+        torch.testing.assert_close(traced(x), layer(x))
+        layer.mean_fixed.fill_(1)  # the traced graph reads the buffers, as the eager layer does
+        torch.testing.assert_close(traced(x), layer(x))
