@@ -128,3 +128,14 @@ def test_a_bad_radius_is_named(key, value):
     cfg.merge_from_list([key, value])
     with pytest.raises(ValueError, match=rf"{key}=.* is invalid: it must be \(start, end\): SSN's radius"):
         validate_sn_config(cfg)
+
+
+def test_a_lazy_configs_radius_is_checked_before_training():
+    from omegaconf import OmegaConf
+
+    from sn_detection.engine.lazy import ssn_radius
+
+    assert ssn_radius(OmegaConf.create({})) == (0.0, 1.0)
+    assert ssn_radius(OmegaConf.create({"ssn_radius": [0.1, 0.9]})) == (0.1, 0.9)
+    with pytest.raises(ValueError, match=r"train\.ssn_radius=\(1\.0,\) is invalid: it must be \(start, end\)"):
+        ssn_radius(OmegaConf.create({"ssn_radius": [1.0]}))
