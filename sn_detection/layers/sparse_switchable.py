@@ -34,19 +34,21 @@ Choices the paper leaves open, and how they are settled here:
 - Without the BN branch (2 choices) the centre is (1/2, 1/2) (the authors' code keeps 1/3, a slip), the
   simplex is a segment whose "edge" is a vertex: step 3 is the clip to [0, 1], and from r >= sqrt(1/2) every
   result is one-hot.
-- The layer fixes its weights in training forwards (not while a batch average runs on the kernel path, nor
-  in a forward replayed for a double backward, nor under TorchScript: the scripted layer uses the fixed
-  weights but fixes none). On the kernel path the forward kernel fixes them, with no host read. Off it (the
-  CPU, float64) the layer reads its few buffers on the host: once both weights are fixed, its torch path
-  computes only the chosen statistics (``used_branches``), e.g. no LN or BN statistics for an IN layer, while
-  the kernels compute the same result as a mixture with one-hot weights. On a GPU without the kernels, and
-  in a traced or compiled graph, the torch path computes the mixture as well (a host read would wait for the
-  device).
+- The layer fixes its weights in training forwards, empty batches included (the choice depends on the
+  logits and the radius, not on the data, and the processes of SyncSSN must agree); not while a batch
+  average runs on the kernel path, nor in a forward replayed for a double backward, nor under TorchScript
+  (the scripted layer uses the fixed weights but fixes none). On the kernel path the forward kernel fixes
+  them, with no host read. Off it (the CPU, float64) the layer reads its few buffers on the host: once both
+  weights are fixed, its torch path computes only the chosen statistics (``used_branches``), e.g. no LN or BN
+  statistics (nor BN's running update) for an IN layer, while the kernels compute the same result as a
+  mixture with one-hot weights. On a GPU without the kernels, under Triton's interpreter (which stands for
+  a device), and in a traced or compiled graph, the torch path computes the mixture as well (a host read
+  would wait for the device, or be baked into the graph).
 - Logits initialised to 1 like SN's (the authors' code), so the weights start at the centre.
 - Buffers, beside SN's: ``radius`` (float, shape ()), ``mean_fixed``, ``var_fixed``, ``mean_fixed_at``,
   ``var_fixed_at`` and ``iteration`` (the one the schedule set last; int64, shape ()), all saved in state
-  dicts. ``conversion.ssn_imagenet`` converts the authors' layout (a 0/1 flag per fixed
-  weight vector, logits set to one-hot values when fixed).
+  dicts. ``conversion.ssn_imagenet`` converts the authors' layout (a 0/1 flag per fixed weight vector,
+  logits set to one-hot values when fixed).
 
 ``branch_weights`` is plain tensor operations (comparisons, sums, ``where``; no branch on a value, no host
 read), so that it exports (ONNX, torch.export, TorchScript) as it trains.
@@ -215,8 +217,10 @@ class SparseSwitchableNorm2d(SwitchableNorm2d):
 
     @torch.jit.unused
     def _normalize(self, x: Tensor) -> Tensor:
-        # the kernels fix the weights in their forward; off their path, the layer does it here
-        if self.training and x.numel() > 0 and not map_passes.kernel_path(x) and not _is_replaying():
+        # the kernels fix the weights in the forward of a non-empty batch; otherwise the layer does it here (an
+        # empty batch too: the choice depends on the logits and the radius, not on the data, and the processes
+        # of SyncSSN, one of which may have no image, must agree)
+        if self.training and not (x.numel() > 0 and map_passes.kernel_path(x)) and not _is_replaying():
             if not self.frozen:
                 self.fix_one_hot_weights(map_passes.stat_dtype(x))
         return super()._normalize(x)

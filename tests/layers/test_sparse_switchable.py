@@ -373,3 +373,13 @@ def test_a_fixed_layer_traces_without_reading_its_choices():
         torch.testing.assert_close(traced(x), layer(x))
         layer.mean_fixed.fill_(1)  # the traced graph reads the buffers, as the eager layer does
         torch.testing.assert_close(traced(x), layer(x))
+
+
+def test_an_empty_batch_fixes_one_hot_weights_as_any_training_forward():
+    """The choice depends on the logits and the radius, not on the data: SyncSSN's processes agree even when
+    one of them has no image."""
+    layer = layer_with([[3.0, 0.2, 0.1], [0.4, 0.3, 0.1]], radius=0.3).train()
+    running = layer.running_mean.clone()
+    assert layer(features((0, 5, 4, 6))).shape == (0, 5, 4, 6)
+    assert (layer.mean_fixed.item(), layer.mean_fixed_at.item(), layer.var_fixed.item()) == (0, 7, -1)
+    assert layer.running_mean.equal(running) and layer.num_batches_tracked.item() == 0
