@@ -22,7 +22,7 @@ of the package: rendering needs a checkout.
 
 The reported AP is that of Luo et al., "Differentiable Learning-to-Normalize via Switchable
 Normalization": Table 3 (setting 1, box AP only), Table 4 (setting 2) and Table 5 (setting 3). Rows the
-paper does not have (DN, MGN, setting-3 scratch) have none. Norms in the paper's notation: BN† is BN
+paper does not have (SSN, DN, MGN, setting-3 scratch) have none. Norms in the paper's notation: BN† is BN
 frozen (detectron2's FrozenBN), ‡ a backbone trained from scratch, – no norm in the head.
 """
 
@@ -71,6 +71,11 @@ PRETRAINED = {
         "pretrained/R-50-SN.pkl",
         "`tools/convert_pretrained.py SRC pretrained/R-50-SN.pkl --source sn` (the SN authors' ImageNet ResNet-50)",
         INPUT_CONVENTIONS["sn"],
+    ),
+    "ssn": Pretrained(
+        "pretrained/R-50-SSN.pkl",
+        "`tools/convert_pretrained.py SRC pretrained/R-50-SSN.pkl --source ssn` (the SSN authors' ImageNet ResNet-50)",
+        INPUT_CONVENTIONS["ssn"],
     ),
     "torchvision": Pretrained(
         "pretrained/R-50-torchvision.pkl",
@@ -135,6 +140,7 @@ def _label(norm: str) -> str:
 _DN_NOTE = "not in the SN paper; DN starts as GN (32 groups, no batch pooling): exactly the GN backbone it loads"
 _MGN_NOTE = "not in the SN paper; MGN takes the GN backbone's convolutions and affine, its gates start fresh"
 _SCRATCH_NOTE = "not in the SN paper; from scratch, with the 3x schedule of the GN paper's models from scratch"
+_SSN_NOTE = "not in the SN paper; SSN (Shao et al., CVPR 2019) from the SSN authors' ImageNet ResNet-50 (8,32)"
 
 CATALOG = (
     # Setting 1: Faster R-CNN R50-C4 (Table 3, box AP).
@@ -144,6 +150,7 @@ CATALOG = (
     ),
     Entry("faster_rcnn_c4_gn_1x", 1, "GN", "GN", "gn", 32.7),
     Entry("faster_rcnn_c4_sn_1x", 1, "SN", "SN", "sn", 33.0),
+    Entry("faster_rcnn_c4_ssn_1x", 1, "SSN", "SSN", "ssn", note=_SSN_NOTE),
     Entry("faster_rcnn_c4_bn_scratch_1x", 1, "BN", "BN", "scratch", 20.0),
     Entry("faster_rcnn_c4_gn_scratch_1x", 1, "GN", "GN", "scratch", 28.3),
     Entry("faster_rcnn_c4_sn_scratch_1x", 1, "SN", "SN", "scratch", 29.5),
@@ -153,6 +160,7 @@ CATALOG = (
     Entry("faster_rcnn_frozenbn_sn_1x", 2, "FrozenBN", "SN", "msra", 38.0),
     Entry("faster_rcnn_gn_1x", 2, "GN", "GN", "gn", 38.2),
     Entry("faster_rcnn_sn_1x", 2, "SN", "SN", "sn", 39.3),
+    Entry("faster_rcnn_ssn_1x", 2, "SSN", "SSN", "ssn", note=_SSN_NOTE),
     Entry("faster_rcnn_dn_1x", 2, "DN", "DN", "gn", note=_DN_NOTE),
     Entry("faster_rcnn_mgn_1x", 2, "MGN", "MGN", "gn", note=_MGN_NOTE),
     # Setting 3: Mask R-CNN R50-FPN 2x (Table 5, box and mask AP).
@@ -171,6 +179,7 @@ CATALOG = (
     Entry("mask_rcnn_gn_2x", 3, "GN", "GN", "gn", 40.2, 35.7, note="the authors' code: 40.3 / 35.7"),
     Entry("mask_rcnn_gn_sn_2x", 3, "GN", "SN", "gn", 40.4, 36.0),
     Entry("mask_rcnn_sn_2x", 3, "SN", "SN", "sn", 41.0, 36.5, note="the authors' code: 41.0 / 36.1-36.5"),
+    Entry("mask_rcnn_ssn_2x", 3, "SSN", "SSN", "ssn", note=_SSN_NOTE),
     Entry("mask_rcnn_dn_2x", 3, "DN", "DN", "gn", note=_DN_NOTE),
     Entry("mask_rcnn_mgn_2x", 3, "MGN", "MGN", "gn", note=_MGN_NOTE),
     Entry("mask_rcnn_gn_scratch_3x", 3, "GN", "GN", "scratch", note=_SCRATCH_NOTE),

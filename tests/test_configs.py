@@ -104,8 +104,8 @@ def test_paper_batch_and_learning_rate(name):
 
 @pytest.mark.parametrize("name", PAPER_CONFIGS)
 def test_batch_average_exactly_where_a_norm_pools_over_the_batch(name):
-    """SN and DN configs use the paper's batch average; BN rows keep their moving average (as the
+    """SN, SSN and DN configs use the paper's batch average; BN rows keep their moving average (as the
     paper's BN baselines); the others have nothing to average."""
     cfg = load(name, shrink=False)
     norms = {cfg.MODEL.RESNETS.NORM, cfg.MODEL.FPN.NORM, cfg.MODEL.ROI_BOX_HEAD.NORM, cfg.MODEL.ROI_MASK_HEAD.NORM}
-    assert cfg.TEST.BATCH_AVERAGE.ENABLED == bool(norms & {"SN", "SyncSN", "DN"})
+    assert cfg.TEST.BATCH_AVERAGE.ENABLED == bool(norms & {"SN", "SyncSN", "SSN", "SyncSSN", "DN"})

@@ -24,6 +24,7 @@ from torch import nn
 from sn_detection import model_zoo
 from sn_detection.d2 import add_sn_config, get_optimizer_params
 from sn_detection.d2.graphed_backbone import GraphedBackbone
+from sn_detection.d2.optimizer import GateClippingSGD
 from sn_detection.data.datasets import register_shapes_datasets
 from sn_detection.engine import lazy
 from sn_detection.layers import NORM_CLASSES, NormFactory
@@ -33,6 +34,7 @@ LAZY = model_zoo.LAZY_CONFIG_DIR
 # LazyConfig -> (its yaml twin, the norm of its layers and their options)
 TWINS = {
     "mask_rcnn_sn_2x.py": ("mask_rcnn_sn_2x", NormFactory("SN", eps=1e-5, momentum=0.1, use_bn=True)),
+    "mask_rcnn_ssn_2x.py": ("mask_rcnn_ssn_2x", NormFactory("SSN", eps=1e-5, momentum=0.1, use_bn=True)),
     "mask_rcnn_dn_2x.py": (
         "mask_rcnn_dn_2x",
         NormFactory("DN", eps=1e-5, momentum=0.1, init_groups=32, init_batch_pool=False),
@@ -120,6 +122,14 @@ def test_the_lazy_schedule_is_its_yaml_twin(lazy):
         solver.GATE_LR_FACTOR,
         solver.GATE_WEIGHT_DECAY,
     )
+    # SSN's rules and radius: the arguments' defaults where a config does not set them, as the yaml's keys
+    assert (params.get("ssn_gate_lr_factor", 0.1), params.get("ssn_gate_clip_norm", 1.0)) == (
+        solver.SSN_GATE_LR_FACTOR,
+        solver.SSN_GATE_CLIP_NORM,
+    )
+    assert tuple(cfg.train.get("ssn_radius", (0.0, 1.0))) == tuple(solver.SSN_RADIUS)
+    if "ssn" in lazy:  # the optimizer whose step clips the SSN logits' gradients, as the yaml trainer's
+        assert cfg.optimizer._target_ is GateClippingSGD
     ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=optimizer.lr)
     theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=solver.BASE_LR)
     lazy_rates = learning_rates(LRMultiplier(ours, instantiate(cfg.lr_multiplier), cfg.train.max_iter), solver.MAX_ITER)

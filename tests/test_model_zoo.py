@@ -61,6 +61,7 @@ def test_the_lazy_configs_are_found_by_name():
         "mask_rcnn_mgn_2x",
         "mask_rcnn_sn_2x",
         "mask_rcnn_sn_lsj_100ep",
+        "mask_rcnn_ssn_2x",
     )
     path = model_zoo.get_lazy_config_file("mask_rcnn_sn_2x")
     assert path == os.path.join(model_zoo.LAZY_CONFIG_DIR, "mask_rcnn_sn_2x.py") and os.path.isfile(path)

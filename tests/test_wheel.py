@@ -129,6 +129,7 @@ def test_the_wheel_serves_every_config_without_the_repository(installed, tmp_pat
         "mask_rcnn_mgn_2x": "MGN",
         "mask_rcnn_sn_2x": "SN",
         "mask_rcnn_sn_lsj_100ep": "SyncSN",
+        "mask_rcnn_ssn_2x": "SSN",
     }
     assert tuple(loaded["lazy"]) == model_zoo.lazy_names()
 

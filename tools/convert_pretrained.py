@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Convert an ImageNet-pretrained ResNet into a detectron2 backbone checkpoint.
 
-    tools/convert_pretrained.py SRC DST --source {sn,torchvision,gn} [--norm {BN,SN,GN}] [--verbose]
+    tools/convert_pretrained.py SRC DST --source {sn,ssn,torchvision,gn} [--norm {BN,SN,SSN,GN}] [--verbose]
 
-Sources: ``sn`` (the SN authors' ImageNet checkpoints), ``torchvision`` (its BN ResNets; ``--norm SN``
-or ``GN`` initialises those layers from BN), ``gn`` (Detectron's GN pickles). DST is ``.pkl``
+Sources: ``sn`` and ``ssn`` (the SN and SSN authors' ImageNet checkpoints), ``torchvision`` (its BN
+ResNets; ``--norm SN`` or ``GN`` initialises those layers from BN), ``gn`` (Detectron's GN pickles). DST is ``.pkl``
 (detectron2's model-zoo format) or ``.pth``; use it as MODEL.WEIGHTS with the input convention the
 report prints. See ``sn_detection/conversion``.
 """

@@ -1,6 +1,7 @@
-"""What the learned normalization layers chose: SN's importance weights, DN's pooling, MN / MGN gates.
+"""What the learned normalization layers chose: SN's importance weights, SSN's choices, DN's pooling, MN / MGN
+gates.
 
-Pure PyTorch and matplotlib, no detectron2: ``choices`` reads SN / DN layers from a model or a state
+Pure PyTorch and matplotlib, no detectron2: ``choices`` reads SN / SSN / DN layers from a model or a state
 dict, ``gates`` observes MN / MGN gates on inputs, ``summary`` averages per network component,
 ``report`` and ``plots`` write markdown, CSV and PNG. The detectron2 side (which module names form
 which component, the training hook) is in ``sn_detection.d2``. The command line of
@@ -10,6 +11,7 @@ which component, the training hook) is in ``sn_detection.d2``. The command line 
 from .choices import (
     DynamicChoice,
     ModeGates,
+    SparseSwitchableChoice,
     SwitchableChoice,
     choices_from_state_dict,
     learned_choices,
@@ -26,6 +28,7 @@ __all__ = [
     "DynamicChoice",
     "GateRecorder",
     "ModeGates",
+    "SparseSwitchableChoice",
     "SwitchableChoice",
     "choices_from_state_dict",
     "gate_probabilities",

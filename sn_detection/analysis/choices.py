@@ -3,16 +3,20 @@
 - SN / SyncSN (Switchable Normalization, Eq. 4): the importance weights softmax(mean_weight) and
   softmax(var_weight) of the IN, LN and BN statistics, the quantities of the SN paper's Figs. 1c, 3, 4.
   A layer without the BN branch (``use_bn=False``, 2 logits each) has no BN weight.
+- SSN / SyncSSN: its importance weights (SparsestMax at the layer's radius, or the one-hot vector of a fixed
+  choice: the layer's ``branch_weights``), the normalizer it chose for the means and for the variances where
+  fixed, and the iteration each became one-hot (``mean_fixed_at``, ``var_fixed_at``; unknown for weights
+  converted from the authors' files).
 - DN: the pooling its hard gates select now (``DynamicNorm2d.selected_grouping()``): the number of
   channel groups, whether they are contiguous blocks, whether the batch is pooled.
 
 Both are read either from a built model (``learned_choices``) or from a bare state dict
 (``choices_from_state_dict``, e.g. a training checkpoint without its config). For a state dict the
-layers are recognised by their parameter names: ``P.mean_weight`` + ``P.var_weight`` is SN,
-``P.channel_gates`` + ``P.batch_gate`` is DN; the channel count comes from ``P.weight``. Each one is
-loaded into a fresh layer of its class (strictly, so a malformed entry fails with the layer's name), so
-that the values come from the same code as in a model. MN / MGN gates depend on the input, so they are
-measured on data (see ``gates``); a state dict only tells where those layers are
+layers are recognised by their parameter names: ``P.mean_weight`` + ``P.var_weight`` is SN, with
+``P.mean_fixed`` SSN, ``P.channel_gates`` + ``P.batch_gate`` is DN; the channel count comes from
+``P.weight``. Each one is loaded into a fresh layer of its class (strictly, so a malformed entry fails with
+the layer's name), so that the values come from the same code as in a model. MN / MGN gates depend on the
+input, so they are measured on data (see ``gates``); a state dict only tells where those layers are
 (``mode_layers_in_state_dict``).
 """
 
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..layers import IDENTITY_KEY, DynamicNorm2d, ModeGroupNorm2d, ModeNorm2d, SwitchableNorm2d
+from ..layers import IDENTITY_KEY, DynamicNorm2d, ModeGroupNorm2d, ModeNorm2d, SparseSwitchableNorm2d, SwitchableNorm2d
 
 # SN's statistics, in the order of its logits.
 STATISTICS = ("IN", "LN", "BN")
@@ -38,6 +42,22 @@ class SwitchableChoice:
     channels: int
     mean_weights: dict[str, float]
     var_weights: dict[str, float]
+
+
+@dataclass(frozen=True)
+class SparseSwitchableChoice:
+    """The importance weights of one SSN layer (statistic -> weight), the statistic its means and its variances
+    are fixed to (None while free) and the iteration each was fixed at (None where unknown or free)."""
+
+    layer: str
+    channels: int
+    mean_weights: dict[str, float]
+    var_weights: dict[str, float]
+    mean_choice: str | None
+    var_choice: str | None
+    mean_fixed_at: int | None
+    var_fixed_at: int | None
+    radius: float
 
 
 @dataclass(frozen=True)
@@ -75,7 +95,7 @@ class ModeGates:
     dominant_probability: float | None = None
 
 
-Choice = SwitchableChoice | DynamicChoice
+Choice = SwitchableChoice | SparseSwitchableChoice | DynamicChoice
 
 
 def switchable_choice(layer: str, module: SwitchableNorm2d) -> SwitchableChoice:
@@ -84,6 +104,24 @@ def switchable_choice(layer: str, module: SwitchableNorm2d) -> SwitchableChoice:
         channels=module.num_channels,
         mean_weights=_importance(module.mean_weight),
         var_weights=_importance(module.var_weight),
+    )
+
+
+def sparse_switchable_choice(layer: str, module: SparseSwitchableNorm2d) -> SparseSwitchableChoice:
+    with torch.no_grad():
+        mean_weights, var_weights = module.branch_weights(torch.float64)
+    fixed = [int(module.mean_fixed), int(module.var_fixed)]
+    fixed_at = [int(module.mean_fixed_at), int(module.var_fixed_at)]
+    return SparseSwitchableChoice(
+        layer=layer,
+        channels=module.num_channels,
+        mean_weights=dict(zip(STATISTICS, mean_weights.tolist())),
+        var_weights=dict(zip(STATISTICS, var_weights.tolist())),
+        mean_choice=STATISTICS[fixed[0]] if fixed[0] >= 0 else None,
+        var_choice=STATISTICS[fixed[1]] if fixed[1] >= 0 else None,
+        mean_fixed_at=fixed_at[0] if fixed[0] >= 0 and fixed_at[0] >= 0 else None,
+        var_fixed_at=fixed_at[1] if fixed[1] >= 0 and fixed_at[1] >= 0 else None,
+        radius=float(module.radius),
     )
 
 
@@ -105,10 +143,12 @@ def dynamic_choice(layer: str, module: DynamicNorm2d) -> DynamicChoice:
 
 
 def learned_choices(model: nn.Module) -> list[Choice]:
-    """The choice of every SN (SyncSN) and DN layer of ``model``, in module order."""
+    """The choice of every SN (SyncSN), SSN (SyncSSN) and DN layer of ``model``, in module order."""
     choices = []
     for name, module in model.named_modules():
-        if isinstance(module, SwitchableNorm2d):
+        if isinstance(module, SparseSwitchableNorm2d):
+            choices.append(sparse_switchable_choice(name, module))
+        elif isinstance(module, SwitchableNorm2d):
             choices.append(switchable_choice(name, module))
         elif isinstance(module, DynamicNorm2d):
             choices.append(dynamic_choice(name, module))
@@ -121,7 +161,7 @@ def mode_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def choices_from_state_dict(state_dict: Mapping[str, Tensor]) -> list[Choice]:
-    """The choice of every SN and DN layer whose parameters are in ``state_dict``, in key order."""
+    """The choice of every SN, SSN and DN layer whose parameters are in ``state_dict``, in key order."""
     choices = []
     switchable, dynamic = SwitchableNorm2d.gate_parameters, DynamicNorm2d.gate_parameters
     for prefix in _prefixes(state_dict, switchable + dynamic):
@@ -132,8 +172,12 @@ def choices_from_state_dict(state_dict: Mapping[str, Tensor]) -> list[Choice]:
                     f"{prefix}mean_weight: SN logits must be a vector of 3 ([IN, LN, BN]) or 2 ([IN, LN]) "
                     f"entries, got shape {tuple(logits.shape)}"
                 )
-            module = SwitchableNorm2d(_channels(state_dict, prefix), use_bn=len(logits) == 3)
-            choices.append(switchable_choice(prefix[:-1], _loaded(module, state_dict, prefix)))
+            sparse = _has(state_dict, prefix, "mean_fixed")
+            module = (SparseSwitchableNorm2d if sparse else SwitchableNorm2d)(
+                _channels(state_dict, prefix), use_bn=len(logits) == 3
+            )
+            read = sparse_switchable_choice if sparse else switchable_choice
+            choices.append(read(prefix[:-1], _loaded(module, state_dict, prefix)))
         elif _has(state_dict, prefix, *dynamic):
             module = DynamicNorm2d(_channels(state_dict, prefix))
             choices.append(dynamic_choice(prefix[:-1], _loaded(module, state_dict, prefix)))

@@ -4,8 +4,8 @@ markdown, CSV and PNG charts (``sn_detection.analysis.report``).
 Two sources:
 
 - ``--config-file CFG [KEY VALUE ...]``: the model of the config with its trained weights (see
-  ``sn_detection.engine.trained``). SN and DN are read from the parameters; MN / MGN gates are observed on the first
-  ``--num-images`` images of DATASETS.TEST[0] (the model in evaluation mode, as at inference).
+  ``sn_detection.engine.trained``). SN, SSN and DN are read from the parameters; MN / MGN gates are observed on
+  the first ``--num-images`` images of DATASETS.TEST[0] (the model in evaluation mode, as at inference).
 - ``--checkpoint FILE``: a checkpoint alone (a detectron2 checkpoint or a bare state dict), its layers
   recognised by their parameter names (``analysis.choices``); MN / MGN layers are listed, but their
   gates need the model and data, so the config.

@@ -50,9 +50,10 @@ def _save(figure: Figure, path: str) -> None:
     figure.savefig(path, format="png", dpi=100)
 
 
-def plot_switchable(summaries: Sequence[ComponentSummary], path: str) -> None:
-    """SN importance weights of IN, LN and BN per component, for the means (top) and variances (bottom)."""
-    rows = [s for s in summaries if s.kind == "SN"]
+def plot_switchable(summaries: Sequence[ComponentSummary], path: str, kind: str = "SN") -> None:
+    """SN's (or SSN's: ``kind``) importance weights of IN, LN and BN per component, for the means (top) and
+    variances (bottom)."""
+    rows = [s for s in summaries if s.kind == kind]
     labels = [f"{s.component}\n({s.layers})" for s in rows]
     figure = Figure(figsize=(max(6.0, 0.9 * len(rows) + 2), 6.5))
     for i, (prefix, title) in enumerate((("mean", "means $\\mu$"), ("var", "variances $\\sigma^2$"))):
@@ -61,7 +62,7 @@ def plot_switchable(summaries: Sequence[ComponentSummary], path: str) -> None:
         _grouped_bars(axes, labels, series, COLOURS)
         axes.axhline(1 / 3, color="grey", linestyle=":", linewidth=1)
         axes.set_ylabel("importance weight")
-        axes.set_title(f"SN importance weights of the {title} (layers per component in brackets)")
+        axes.set_title(f"{kind} importance weights of the {title} (layers per component in brackets)")
         axes.legend(loc="upper right", ncol=3, fontsize="small")
     _save(figure, path)
 
@@ -114,7 +115,7 @@ def plot_evolution(history: Sequence[tuple[int, Sequence[ComponentSummary]]], ki
         for metric, points in _series(history, kind, component).items():
             iterations, values = zip(*points)
             style = "--" if metric.startswith("var_") else "-"
-            colour = COLOURS.get(metric.split("_")[-1] if kind == "SN" else metric)
+            colour = COLOURS.get(metric.split("_")[-1] if kind in ("SN", "SSN") else metric)
             axes.plot(iterations, values, style, label=metric, color=colour)
         axes.set_title(component)
         axes.set_xlabel("iteration")

@@ -2,11 +2,14 @@
 
 ``write_report`` writes into one folder:
 
-- ``norm_analysis.md``: a table per layer kind (SN importance weights; DN grouping, with a row per DN
-  layer since they are discrete; MN / MGN gates), each followed by its chart;
+- ``norm_analysis.md``: a table per layer kind (SN importance weights; SSN importance weights and choices,
+  with a row per SSN layer: the normalizer of its means and of its variances and the iteration each was
+  fixed at; DN grouping, with a row per DN layer since they are discrete; MN / MGN gates), each followed
+  by its chart;
 - ``norm_analysis.csv``: the per-component values, one row per (kind, component, metric);
 - ``norm_layers.csv``: the per-layer values, one row per (kind, component, layer, metric);
-- ``sn_importance.png``, ``dn_grouping.png``, ``mode_gates.png``: the charts of the kinds present.
+- ``sn_importance.png``, ``ssn_importance.png``, ``dn_grouping.png``, ``mode_gates.png``: the charts of the
+  kinds present.
 
 Nothing here knows about detectron2: the caller passes the records, the function that names a layer's
 component and the order of the components.
@@ -15,18 +18,30 @@ component and the order of the components.
 from __future__ import annotations
 
 import csv
+import functools
 import os
 from collections.abc import Callable, Iterable, Sequence
 
-from .choices import DynamicChoice
+from .choices import DynamicChoice, SparseSwitchableChoice
 from .plots import plot_dynamic, plot_mode_gates, plot_switchable
 from .summary import ComponentSummary, Record, kind_of, layer_metrics, summarize
 
 MARKDOWN = "norm_analysis.md"
 COMPONENTS_CSV = "norm_analysis.csv"
 LAYERS_CSV = "norm_layers.csv"
-CHARTS = {"SN": "sn_importance.png", "DN": "dn_grouping.png", "MN": "mode_gates.png", "MGN": "mode_gates.png"}
-_PLOTTERS = {"sn_importance.png": plot_switchable, "dn_grouping.png": plot_dynamic, "mode_gates.png": plot_mode_gates}
+CHARTS = {
+    "SN": "sn_importance.png",
+    "SSN": "ssn_importance.png",
+    "DN": "dn_grouping.png",
+    "MN": "mode_gates.png",
+    "MGN": "mode_gates.png",
+}
+_PLOTTERS = {
+    "sn_importance.png": plot_switchable,
+    "ssn_importance.png": functools.partial(plot_switchable, kind="SSN"),
+    "dn_grouping.png": plot_dynamic,
+    "mode_gates.png": plot_mode_gates,
+}
 
 
 def write_report(
@@ -84,10 +99,12 @@ def markdown(
 ) -> str:
     sections = [f"# {title}", *notes]
     if not summaries:
-        sections.append("The model has no SN, SyncSN, DN, MN or MGN layer: nothing to analyse.")
+        sections.append("The model has no SN, SyncSN, SSN, SyncSSN, DN, MN or MGN layer: nothing to analyse.")
     kinds = {s.kind for s in summaries}
     if "SN" in kinds:
         sections.append(_switchable_section(summaries, "sn_importance.png" in charts))
+    if "SSN" in kinds:
+        sections.append(_sparse_section(summaries, records, "ssn_importance.png" in charts))
     if "DN" in kinds:
         sections.append(_dynamic_section(summaries, records, "dn_grouping.png" in charts))
     if kinds & {"MN", "MGN"}:
@@ -118,6 +135,43 @@ def _switchable_section(summaries: Sequence[ComponentSummary], chart: bool) -> s
         "the initial value).\n\n" + _table(header, rows)
     )
     return text + ("\n\n![SN importance weights](sn_importance.png)" if chart else "")
+
+
+def _sparse_section(summaries: Sequence[ComponentSummary], records: Sequence[Record], chart: bool) -> str:
+    rows = []
+    for s in summaries:
+        if s.kind == "SSN":
+            values = [s.metrics[f"{p}_{stat}"] for p in ("mean", "var") for stat in ("IN", "LN", "BN")]
+            fixed = [_number(s.metrics["mean_fixed"]), _number(s.metrics["var_fixed"])]
+            rows.append([s.component, str(s.layers), *map(_number, values), *fixed])
+    header = ["component", "SSN layers", "μ: IN", "μ: LN", "μ: BN", "σ²: IN", "σ²: LN", "σ²: BN", "μ fixed", "σ² fixed"]
+    layers = [
+        [
+            r.layer,
+            str(r.channels),
+            _chosen(r.mean_choice, r.mean_fixed_at, r.mean_weights),
+            _chosen(r.var_choice, r.var_fixed_at, r.var_weights),
+            f"{r.radius:.3f}",
+        ]
+        for r in records
+        if isinstance(r, SparseSwitchableChoice)
+    ]
+    text = (
+        "## Sparse Switchable Normalization: choices\n\n"
+        "The importance weights (SparsestMax at each layer's radius, one-hot once fixed) averaged over the SSN "
+        "layers of each component, and the share of layers whose means and variances are fixed to one "
+        "normalizer.\n\n" + _table(header, rows)
+    )
+    text += "\n\n" + ("![SSN importance weights](ssn_importance.png)\n\n" if chart else "")
+    per_layer = "Per layer: the normalizer of the means and of the variances, and the iteration each became one-hot "
+    per_layer += "(free ones: their weights IN / LN / BN):\n\n"
+    return text + per_layer + _table(["layer", "channels", "means", "variances", "radius"], layers)
+
+
+def _chosen(choice: str | None, fixed_at: int | None, weights: dict[str, float]) -> str:
+    if choice is None:
+        return "free: " + " / ".join(_number(weights.get(s, 0.0)) for s in ("IN", "LN", "BN"))
+    return f"{choice} (iteration {fixed_at})" if fixed_at is not None else f"{choice} (iteration unknown)"
 
 
 def _dynamic_section(summaries: Sequence[ComponentSummary], records: Sequence[Record], chart: bool) -> str:

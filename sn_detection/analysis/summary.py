@@ -9,6 +9,9 @@ Metrics, all in [0, 1] but DN's median group count:
 
 - SN: ``mean_IN``, ``mean_LN``, ``mean_BN``, ``var_IN``, ``var_LN``, ``var_BN``: the importance weights of
   the means and of the variances (a layer without the BN branch counts with BN weight 0).
+- SSN: SN's six, then ``mean_fixed``, ``var_fixed``: the share of layers whose means (variances) are fixed
+  to one normalizer. Per layer also ``mean_fixed_at``, ``var_fixed_at``, the iteration each became one-hot
+  where known, which are not averaged.
 - DN: ``IN``, ``GN``, ``LN``: the share of layers whose channel grouping is that (see
   ``DynamicChoice.channel_pooling``); ``pools_batch``: the share pooling the batch; ``strided``: the share
   whose groups are not contiguous blocks; ``median_groups``: the median number of channel groups.
@@ -25,15 +28,16 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from .choices import STATISTICS, DynamicChoice, ModeGates, SwitchableChoice
+from .choices import STATISTICS, DynamicChoice, ModeGates, SparseSwitchableChoice, SwitchableChoice
 
-Record = SwitchableChoice | DynamicChoice | ModeGates
-KINDS = ("SN", "DN", "MN", "MGN")
+Record = SwitchableChoice | SparseSwitchableChoice | DynamicChoice | ModeGates
+KINDS = ("SN", "SSN", "DN", "MN", "MGN")
+_PER_LAYER_ONLY = ("mean_fixed_at", "var_fixed_at")  # iterations: not averaged over a component
 
 
 @dataclass(frozen=True)
 class ComponentSummary:
-    """The averaged metrics of the ``layers`` layers of one kind ("SN", "DN", "MN", "MGN") in a component."""
+    """The averaged metrics of the ``layers`` layers of one kind (``KINDS``) in a component."""
 
     kind: str
     component: str
@@ -42,6 +46,8 @@ class ComponentSummary:
 
 
 def kind_of(record: Record) -> str:
+    if isinstance(record, SparseSwitchableChoice):
+        return "SSN"
     if isinstance(record, SwitchableChoice):
         return "SN"
     if isinstance(record, DynamicChoice):
@@ -51,11 +57,19 @@ def kind_of(record: Record) -> str:
 
 def layer_metrics(record: Record) -> dict[str, float]:
     """The metrics of one layer (see the module docstring); {} for mode gates never observed."""
-    if isinstance(record, SwitchableChoice):
-        return {
+    if isinstance(record, (SwitchableChoice, SparseSwitchableChoice)):
+        metrics = {
             **{f"mean_{s}": record.mean_weights.get(s, 0.0) for s in STATISTICS},
             **{f"var_{s}": record.var_weights.get(s, 0.0) for s in STATISTICS},
         }
+        if isinstance(record, SparseSwitchableChoice):
+            metrics.update(
+                mean_fixed=float(record.mean_choice is not None), var_fixed=float(record.var_choice is not None)
+            )
+            for name in _PER_LAYER_ONLY:
+                if getattr(record, name) is not None:
+                    metrics[name] = float(getattr(record, name))
+        return metrics
     if isinstance(record, DynamicChoice):
         pooling = record.channel_pooling
         return {
@@ -88,7 +102,7 @@ def summarize(
 
 def _average(records: list[Record]) -> dict[str, float]:
     per_layer = [m for m in map(layer_metrics, records) if m]
-    names = list(dict.fromkeys(name for metrics in per_layer for name in metrics))
+    names = [name for name in dict.fromkeys(n for metrics in per_layer for n in metrics) if name not in _PER_LAYER_ONLY]
     averaged = {}
     for name in names:
         values = [metrics[name] for metrics in per_layer if name in metrics]

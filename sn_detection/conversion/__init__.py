@@ -1,6 +1,7 @@
 """Conversion of ImageNet-pretrained ResNets into detectron2 backbone checkpoints.
 
-One module per source format (``sn_imagenet``: the SN authors' checkpoints; ``torchvision_resnet``;
+One module per source format (``sn_imagenet``, ``ssn_imagenet``: the SN and SSN authors' checkpoints;
+``torchvision_resnet``;
 ``detectron_gn``: Detectron's GN pickles), the architecture check and key emission they share
 (``resnet``), the report, file reading and atomic writing (``report``, ``files``), and the input
 conventions each source needs in the config (``conventions.INPUT_CONVENTIONS``). The command line is

@@ -1,4 +1,4 @@
-"""``tools/convert_pretrained.py SRC DST --source {sn,torchvision,gn} [--norm {BN,SN,GN}] [--verbose]``.
+"""``tools/convert_pretrained.py SRC DST --source {sn,ssn,torchvision,gn} [--norm {BN,SN,SSN,GN}] [--verbose]``.
 
 Writes DST only when every backbone tensor converted, then prints the report (converted, initialised,
 skipped, mismatched, missing keys and the input convention the source needs), the file it wrote and the

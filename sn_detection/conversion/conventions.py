@@ -7,6 +7,7 @@ trainer did. Per source:
 source                    MODEL.PIXEL_MEAN                MODEL.PIXEL_STD               STRIDE_IN_1X1 FORMAT
 ========================  ==============================  ============================  ============  ======
 ``sn`` (switchablenorms)  [123.675, 116.280, 103.530]     [58.395, 57.120, 57.375]      False         RGB
+``ssn`` (switchablenorms) [123.675, 116.280, 103.530]     [58.395, 57.120, 57.375]      False         RGB
 ``torchvision``           [123.675, 116.280, 103.530]     [58.395, 57.120, 57.375]      False         RGB
 ``gn`` (Detectron R-GN)   [103.530, 116.280, 123.675]     [1.0, 1.0, 1.0]               False         BGR
 ========================  ==============================  ============================  ============  ======
@@ -17,6 +18,8 @@ Where the numbers come from:
   ``Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])``; in detectron2's 0-255 pixel
   units that is the mean and std above. Their ResNet (``resnet_v1_sn.py``) puts the stride in the 3x3
   conv, as torchvision does.
+- ``ssn``: the SSN authors' trainer (switchablenorms/Sparse_SwitchNorm) normalises alike and its ResNet
+  (``resnet_v1_ssn.py``) puts the stride in the 3x3 conv too.
 - ``torchvision``: the same normalisation and stride placement; these are also the settings
   detectron2's own ``tools/convert-torchvision-to-d2.py`` prints.
 - ``gn``: Detectron (Caffe2) subtracts a BGR pixel mean and divides by nothing, so its GN ImageNet
@@ -56,6 +59,7 @@ _IMAGENET_RGB = InputConvention(
 
 INPUT_CONVENTIONS = {
     "sn": _IMAGENET_RGB,
+    "ssn": _IMAGENET_RGB,
     "torchvision": _IMAGENET_RGB,
     "gn": InputConvention(
         pixel_mean=(103.530, 116.280, 123.675),

@@ -22,6 +22,8 @@ var_weight). ``ResNetCollector.build`` then
    - ``GN``: weight, bias (``GroupNorm2d`` / detectron2's ``nn.GroupNorm(32, C)``).
    - ``SN``: the state dict of ``SwitchableNorm2d(C, use_bn=...)``: weight, bias, mean_weight,
      var_weight and, with the BN branch, running_mean, running_var, num_batches_tracked.
+   - ``SSN``: the state dict of ``SparseSwitchableNorm2d(C, use_bn=...)``: SN's, then radius, mean_fixed,
+     var_fixed, mean_fixed_at, var_fixed_at and iteration (scalars).
 
    A key the source has no value for (SN's logits and counter when SN is initialised from BN) is taken
    from a freshly constructed target layer, i.e. the layer's own initialisation, and listed as
@@ -38,19 +40,22 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
-from ..layers import IDENTITY_KEY, GroupNorm2d, SwitchableNorm2d
+from ..layers import IDENTITY_KEY, GroupNorm2d, SparseSwitchableNorm2d, SwitchableNorm2d
 from .report import ConversionError, ConversionReport
 
 # The norm layout of each target, and the targets each source norm can become.
-TARGET_NORMS = ("BN", "GN", "SN")
-TARGETS_OF_SOURCE_NORM = {"BN": ("BN", "GN", "SN"), "GN": ("GN",), "SN": ("SN",)}
+TARGET_NORMS = ("BN", "GN", "SN", "SSN")
+TARGETS_OF_SOURCE_NORM = {"BN": ("BN", "GN", "SN"), "GN": ("GN",), "SN": ("SN",), "SSN": ("SSN",)}
+_SWITCHABLE = ("SN", "SSN")  # logits [IN, LN(, BN)], running statistics with the BN branch only
 
 _REQUIRED_NORM_PARAMS = {
     "BN": ("weight", "bias", "running_mean", "running_var"),
     "GN": ("weight", "bias"),
     # and running_mean, running_var when the layer has a BN branch (3 logits)
     "SN": ("weight", "bias", "mean_weight", "var_weight"),
+    "SSN": ("weight", "bias", "mean_weight", "var_weight", "mean_fixed", "var_fixed", "radius"),
 }
+_SCALARS = ("mean_fixed", "var_fixed", "radius")  # one value each
 _SN_LOGITS = ("mean_weight", "var_weight")
 _SN_RUNNING = ("running_mean", "running_var")
 
@@ -103,7 +108,7 @@ class ResNetCollector:
             raise ConversionError("no key of the expected layout was found")
         self.report.norm = norm
         shapes = self._expected_conv_shapes()
-        use_bn = self._sn_has_bn_branch() if self.source_norm == "SN" else True
+        use_bn = self._sn_has_bn_branch() if self.source_norm in _SWITCHABLE else True
         self._check_unexpected_modules(shapes)
         state = {}
         for module, shape in shapes.items():
@@ -166,17 +171,19 @@ class ResNetCollector:
         is missing or has the wrong size (both reported)."""
         found = {param[len("norm.") :]: value for param, value in self._tensors[module].items() if param != "weight"}
         required = _REQUIRED_NORM_PARAMS[self.source_norm]
-        if self.source_norm == "SN" and use_bn:
+        if self.source_norm in _SWITCHABLE and use_bn:
             required += _SN_RUNNING
-        elif self.source_norm == "SN":
+        elif self.source_norm in _SWITCHABLE:
             for name in set(found) & set(_SN_RUNNING):
                 key, _ = found.pop(name)
-                self.report.skipped.append((key, "SN without a BN branch (2 logits) has no running statistics"))
+                self.report.skipped.append(
+                    (key, f"{self.source_norm} without a BN branch (2 logits) has no running statistics")
+                )
         absent = [name for name in required if name not in found]
         self.report.missing += [self.source_key(module, f"norm.{name}") for name in absent]
         params = {}
         for name, (key, tensor) in found.items():
-            size = (2 + use_bn) if name in _SN_LOGITS else channels
+            size = (2 + use_bn) if name in _SN_LOGITS else 1 if name in _SCALARS else channels
             if tensor.numel() == size and sum(dim != 1 for dim in tensor.shape) <= 1:
                 params[name] = (key, tensor.detach().reshape(size))
             else:
@@ -193,11 +200,14 @@ class ResNetCollector:
         }
         if len(counts) > 1:
             example = ", ".join(f"{key} has {n}" for n, key in sorted(counts.items()))
-            raise ConversionError(f"SN layers disagree on the number of logits ({example})", self.report)
+            raise ConversionError(
+                f"{self.source_norm} layers disagree on the number of logits ({example})", self.report
+            )
         use_bn = counts.keys() != {2}
         if not use_bn:
             self.report.notes.append(
-                "SN without a BN branch (2 logits): set MODEL.SN.USE_BN False (layers built with use_bn=False)"
+                f"{self.source_norm} without a BN branch (2 logits): set MODEL.SN.USE_BN False (layers built with "
+                "use_bn=False)"
             )
         return use_bn
 
@@ -213,7 +223,7 @@ class ResNetCollector:
             if name in params:
                 key, tensor = params.pop(name)
                 self.report.converted.append((key, dst))
-                out[dst] = tensor
+                out[dst] = tensor.reshape(default.shape)
             else:
                 self.report.initialised.append((dst, f"{type(layer).__name__}'s init ({name})"))
                 out[dst] = default
@@ -223,6 +233,8 @@ class ResNetCollector:
 
 
 def _target_layer(norm: str, channels: int, use_bn: bool) -> nn.Module:
+    if norm == "SSN":
+        return SparseSwitchableNorm2d(channels, use_bn=use_bn)
     if norm == "SN":
         return SwitchableNorm2d(channels, use_bn=use_bn)
     if norm == "GN":

@@ -49,7 +49,8 @@ WEIGHTS_TERMS = (
     "them: check that licence before using it, or a detector finetuned from it, for anything commercial."
 )
 
-NAMES = TorchvisionNames("sn", ("weight", "bias", "mean_weight", "var_weight", "running_mean", "running_var"))
+NAMES_PARAMS = ("weight", "bias", "mean_weight", "var_weight", "running_mean", "running_var")
+NAMES = TorchvisionNames("sn", NAMES_PARAMS)
 
 
 def load(path: str) -> Mapping:
@@ -66,6 +67,9 @@ def load(path: str) -> Mapping:
 def convert(state: Mapping, norm: str = "SN") -> tuple[dict, ConversionReport]:
     """detectron2 ResNet keys for ``state`` (the authors' layout, see the module docstring)."""
     report = ConversionReport(source="sn")
+    sparse = next((key for key in state if isinstance(key, str) and key.endswith((".mean_fixed", ".radius"))), None)
+    if sparse is not None:  # SN would read its one-hot logits through a softmax
+        raise ConversionError(f"{sparse} is a buffer of Sparse Switchable Normalization: convert it with --source ssn")
     collector = ResNetCollector(SOURCE_NORM, NAMES.source_key, report)
     collect(state, NAMES, collector, _skip_reason)
     return collector.build(norm), report

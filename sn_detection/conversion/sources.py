@@ -8,12 +8,13 @@ import re
 from collections.abc import Mapping
 from types import ModuleType
 
-from . import detectron_gn, sn_imagenet, torchvision_resnet
+from . import detectron_gn, sn_imagenet, ssn_imagenet, torchvision_resnet
 from .report import ConversionError, ConversionReport
 from .resnet import TARGETS_OF_SOURCE_NORM
 
 SOURCES: dict[str, ModuleType] = {
     "sn": sn_imagenet,
+    "ssn": ssn_imagenet,
     "torchvision": torchvision_resnet,
     "gn": detectron_gn,
 }
@@ -29,6 +30,7 @@ _LAYOUT_SIGNS = (
             "model zoo"
         ),
     ),
+    (re.compile(r"(^|\.)sn1\.mean_fixed$"), "an SSN ImageNet checkpoint (--source ssn)"),
     (re.compile(r"(^|\.)sn1\.mean_weight$"), "an SN ImageNet checkpoint (--source sn)"),
     (re.compile(r"(^|\.)bn1\.running_mean$"), "a torchvision BN ResNet (--source torchvision)"),
     (re.compile(r"^conv1_gn_s$"), "a Detectron GN pickle (--source gn)"),

@@ -15,7 +15,10 @@ that has that option (``EPS`` is the eps of all of them, ``MOMENTUM`` of those w
 
 and ``MODEL.SN.META_ARCHITECTURE``, the meta-architecture that ``MODEL.META_ARCHITECTURE: SNMetaArch``
 builds with those options (see ``meta_arch``). ``SOLVER.GATE_WEIGHT_DECAY`` and ``SOLVER.GATE_LR_FACTOR``
-apply to the gating parameters (SN's logits, DN's gates, MN's and MGN's gate), see ``optimizer``;
+apply to the gating parameters (SN's logits, DN's gates, MN's and MGN's gate), ``SOLVER.SSN_GATE_LR_FACTOR``
+and ``SOLVER.SSN_GATE_CLIP_NORM`` to SSN's logits (by default the SSN authors' a tenth of the learning rate
+and clipping at 1), see ``optimizer``; ``SOLVER.SSN_RADIUS`` (start, end) is SSN's radius before the first
+iteration and after the last, linear in between (``hooks.SparsityRadius``; the authors' 0 to 1);
 ``TEST.BATCH_AVERAGE`` configures the batch-average hook; ``TEST.NORM_ANALYSIS.PERIOD`` the logging of
 what the learned norms chose (``norm_analysis``; 0: off). The defaults are the layers' own defaults, the
 papers' settings. ``add_sn_config`` also adds the ``PRETRAIN`` keys of the classification pretraining of
@@ -36,7 +39,7 @@ from detectron2.config import CfgNode as CN
 from detectron2.modeling import META_ARCH_REGISTRY
 
 from ..layers import NORM_NAMES, NormFactory, norm_class, norm_options
-from ..layers.options import NON_NEGATIVE, POSITIVE_INT, is_int
+from ..layers.options import NON_NEGATIVE, POSITIVE_INT, RADIUS_RANGE, is_int
 from ..pretraining.config import add_pretrain_config, validate_pretrain_config
 
 # The registered name of the meta-architecture that builds our norms with the config's options.
@@ -73,6 +76,9 @@ def add_sn_config(cfg: CN) -> None:
 
     cfg.SOLVER.GATE_WEIGHT_DECAY = 0.0
     cfg.SOLVER.GATE_LR_FACTOR = 1.0
+    cfg.SOLVER.SSN_GATE_LR_FACTOR = 0.1
+    cfg.SOLVER.SSN_GATE_CLIP_NORM = 1.0
+    cfg.SOLVER.SSN_RADIUS = (0.0, 1.0)
 
     cfg.TEST.BATCH_AVERAGE = CN()
     cfg.TEST.BATCH_AVERAGE.ENABLED = False
@@ -115,6 +121,9 @@ _INT_AT_LEAST_0 = (lambda v: is_int(v) and v >= 0, "an int >= 0")
 _KEY_RULES = {
     "SOLVER.GATE_WEIGHT_DECAY": NON_NEGATIVE,
     "SOLVER.GATE_LR_FACTOR": NON_NEGATIVE,
+    "SOLVER.SSN_GATE_LR_FACTOR": NON_NEGATIVE,
+    "SOLVER.SSN_GATE_CLIP_NORM": NON_NEGATIVE,
+    "SOLVER.SSN_RADIUS": RADIUS_RANGE,
     "TEST.NORM_ANALYSIS.PERIOD": _INT_AT_LEAST_0,
 }
 

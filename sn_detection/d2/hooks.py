@@ -1,6 +1,6 @@
 """The SN paper's batch average as a detectron2 hook: a thin wrapper over the torch-only
 ``sn_detection.layers.update_batch_average`` (which says what is averaged, and how), in the place of
-detectron2's PreciseBN.
+detectron2's PreciseBN; and SSN's radius schedule (``SparsityRadius``).
 
 The batches are detectron2's training batches; the model's training-mode logging during the extra
 forwards goes to a scratch ``EventStorage``, so the trainer's metrics do not see them. The paper does not
@@ -18,6 +18,7 @@ from detectron2.utils.events import EventStorage
 from torch import nn
 
 from ..layers import batch_statistics_modules, update_batch_average
+from ..layers.sparse_switchable import linear_radius, set_radius, sparse_switchable_layers
 
 logger = logging.getLogger(__name__)
 
@@ -112,3 +113,32 @@ def insert_before_evaluation(hooks: list, hook: HookBase | None) -> list:
         len(hooks),
     )
     return [*hooks[:position], hook, *hooks[position:]]
+
+
+class SparsityRadius(HookBase):
+    """Sets the radius of SparsestMax in every SSN layer before each iteration: ``start`` before the first,
+    rising linearly to ``end`` after the last of ``max_iter`` (the SSN authors' iteration / total, from 0 to
+    1), and the iteration, which a layer records where its weights become one-hot. The radius is a buffer of
+    each layer, so a checkpoint holds it; a resumed training sets it again from its iteration."""
+
+    def __init__(self, model: nn.Module, max_iter: int, start: float = 0.0, end: float = 1.0):
+        self._model = model
+        self._max_iter = max_iter
+        self._start, self._end = start, end
+
+    def before_step(self):
+        iteration = self.trainer.iter
+        set_radius(self._model, linear_radius(iteration, self._max_iter, self._start, self._end), iteration)
+
+
+def radius_hook(model: nn.Module, max_iter: int, start: float = 0.0, end: float = 1.0) -> SparsityRadius | None:
+    """``SparsityRadius(model, max_iter, start, end)``, or None when ``model`` has no SSN layer."""
+    if not sparse_switchable_layers(model):
+        return None
+    return SparsityRadius(model, max_iter, start, end)
+
+
+def build_radius_hook(cfg, model: nn.Module) -> SparsityRadius | None:
+    """The ``SparsityRadius`` hook of the yaml config ``cfg`` (SOLVER.SSN_RADIUS over SOLVER.MAX_ITER), or None
+    when ``model`` has no SSN layer."""
+    return radius_hook(model, cfg.SOLVER.MAX_ITER, *cfg.SOLVER.SSN_RADIUS)

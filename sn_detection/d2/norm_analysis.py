@@ -1,13 +1,13 @@
 """What the learned norms of a detectron2 model chose, per component, and a hook that logs it in training.
 
-``learned_choices(model)`` gives the records of every SN / SyncSN / DN layer (read from parameters) and
+``learned_choices(model)`` gives the records of every SN / SSN / DN layer (read from parameters and buffers) and
 ``component_summaries`` averages them per component of ``components.COMPONENTS``.
 
 ``NormAnalysis`` (hook, ``cfg.TEST.NORM_ANALYSIS.PERIOD``) puts those per-component values into
 detectron2's ``EventStorage`` every PERIOD iterations and after the last one, as scalars named
 ``norm/<kind>/<component>/<metric>`` (e.g. ``norm/SN/box_head/var_BN``; see ``analysis.summary`` for the
 metrics), so they reach metrics.json and TensorBoard through the trainer's writers; after training it
-draws their evolution into ``OUTPUT_DIR/norm_evolution_<kind>.png``. It is cheap by design: SN and DN
+draws their evolution into ``OUTPUT_DIR/norm_evolution_<kind>.png``. It is cheap by design: SN, SSN and DN
 values are read from a few parameters, with no forward pass; MN / MGN gates are observed on the
 training forward of the logged iteration itself (forward pre-hooks attached for that one iteration).
 The hook runs before the writers (``Trainer.build_hooks``), so a value reaches metrics.json at its own
@@ -112,7 +112,7 @@ def norm_analysis_hook(model: nn.Module, period: int, output_dir: str) -> NormAn
     if period == 0:
         return None
     if not (learned_choices(model) or mode_layers(model)):
-        logger.info("Norm analysis is disabled: the model has no SN, SyncSN, DN, MN or MGN layer")
+        logger.info("Norm analysis is disabled: the model has no SN, SSN, DN, MN or MGN layer")
         return None
     return NormAnalysis(model, period, output_dir)
 

@@ -9,6 +9,8 @@ The config's ``model``, ``dataloader`` (``train``, ``test``, ``evaluator``), ``o
                                                          evaluation and after training
     norm_analysis_period = N                             log what the learned norms chose every N
                                                          iterations (0: off)
+    ssn_radius = (start, end)                            SSN's radius before the first iteration and after
+                                                         the last, linear in between (default (0, 1))
     graphed_backbone = dict(enabled=..., max_graphs=..., run the backbone and FPN as CUDA graphs, one per
                             warmup=...)                  input shape (``d2.graphed_backbone``; CUDA only)
 
@@ -35,10 +37,10 @@ from detectron2.utils.logger import setup_logger
 from ..d2 import CheckedCheckpointer, ddp_model, share_first_process_buffers, step_trainer
 from ..d2.checkpointer import check_resumed_iteration
 from ..d2.graphed_backbone import GraphedBackbone, graph_backbone
-from ..d2.hooks import batch_average_hook, insert_before_evaluation
+from ..d2.hooks import batch_average_hook, insert_before_evaluation, radius_hook
 from ..d2.norm_analysis import norm_analysis_hook
 from ..data.datasets import register_shapes_datasets
-from ..layers.options import POSITIVE_INT
+from ..layers.options import POSITIVE_INT, RADIUS_RANGE
 from .launch import launch_processes
 from .trainer import write_results
 
@@ -76,6 +78,14 @@ def batch_average_batches(train) -> int:
     return num_batches
 
 
+def ssn_radius(train) -> tuple[float, float]:
+    """``train.ssn_radius`` (start, end), (0, 1) when absent, checked."""
+    radius = tuple(train.get("ssn_radius", (0.0, 1.0)))
+    if not RADIUS_RANGE.holds(radius):
+        raise ValueError(f"train.ssn_radius={radius!r} is invalid: it must be {RADIUS_RANGE.text}")
+    return radius
+
+
 def graphed_backbone_options(train) -> dict | None:
     """The options of ``GraphedBackbone`` that ``train.graphed_backbone`` sets (None: off), checked before
     anything is built: graphs need CUDA."""
@@ -109,6 +119,7 @@ def training_hooks(cfg, model, checkpointer, num_batches: int) -> list:
     checkpointing and evaluation and the norm analysis before the writers."""
     main_process = comm.is_main_process()
     base = [
+        radius_hook(model, cfg.train.max_iter, *ssn_radius(cfg.train)),
         hooks.IterationTimer(),
         hooks.LRScheduler(scheduler=instantiate(cfg.lr_multiplier)),
         hooks.PeriodicCheckpointer(checkpointer, **cfg.train.checkpointer) if main_process else None,
@@ -133,6 +144,7 @@ def train(cfg, resume: bool) -> None:
     """Train ``cfg`` with detectron2's lazy trainer, our hooks and checkpointer; the EvalHook evaluates
     after the last iteration."""
     num_batches = batch_average_batches(cfg.train)  # checked before anything is built
+    ssn_radius(cfg.train)
     model = built_model(cfg, graphed_backbone_options(cfg.train))
     logger.info("Model:\n%s", model)
     cfg.optimizer.params.model = model

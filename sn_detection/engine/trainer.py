@@ -23,7 +23,7 @@ from detectron2.utils.logger import setup_logger
 
 from .. import d2
 from ..d2.checkpointer import check_resumed_iteration
-from ..d2.hooks import build_batch_average_hook, insert_before_evaluation
+from ..d2.hooks import build_batch_average_hook, build_radius_hook, insert_before_evaluation
 from ..d2.norm_analysis import build_norm_analysis_hook
 from . import resume
 
@@ -78,6 +78,9 @@ class Trainer(DefaultTrainer):
     def build_hooks(self):
         hook = build_batch_average_hook(self.cfg, self.model, self.build_train_loader)
         hooks = insert_before_evaluation(super().build_hooks(), hook)
+        radius = build_radius_hook(self.cfg, self.model)
+        if radius is not None:  # SSN's radius of the iteration, set before its forward
+            hooks.insert(0, radius)
         if self.cfg.SEED >= 0:
             # first, so that every random draw of an iteration follows its seeding
             hooks.insert(0, resume.IterationSeed(self.cfg.SEED))

@@ -20,6 +20,7 @@ from .mode import ModeGroupNorm2d, ModeNorm2d
 from .positional import PositionalNorm2d, moment_shortcut, pono
 from .running import RunningMoments
 from .skewness import SkewnessReducedBatchNorm2d
+from .sparse_switchable import SparseSwitchableNorm2d, SyncSparseSwitchableNorm2d
 from .switchable import SwitchableNorm2d, SyncSwitchableNorm2d
 
 __all__ = [
@@ -36,7 +37,9 @@ __all__ = [
     "PositionalNorm2d",
     "RunningMoments",
     "SkewnessReducedBatchNorm2d",
+    "SparseSwitchableNorm2d",
     "SwitchableNorm2d",
+    "SyncSparseSwitchableNorm2d",
     "SyncSwitchableNorm2d",
     "batch_statistics_modules",
     "build_norm",

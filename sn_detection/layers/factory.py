@@ -25,11 +25,14 @@ from .mode import ModeGroupNorm2d, ModeNorm2d
 from .options import check_options
 from .positional import PositionalNorm2d
 from .skewness import SkewnessReducedBatchNorm2d
+from .sparse_switchable import SparseSwitchableNorm2d, SyncSparseSwitchableNorm2d
 from .switchable import SwitchableNorm2d, SyncSwitchableNorm2d
 
 _NORMS = {
     "SN": SwitchableNorm2d,
     "SyncSN": SyncSwitchableNorm2d,
+    "SSN": SparseSwitchableNorm2d,
+    "SyncSSN": SyncSparseSwitchableNorm2d,
     "DN": DynamicNorm2d,
     "GN": GroupNorm2d,
     "MGN": ModeGroupNorm2d,

@@ -71,6 +71,8 @@ class KernelPathCounts(NamedTuple):
 KERNEL_PATH_COUNTS = {
     "SN": KernelPathCounts(training=6, inference=3, allocations=10),
     "SyncSN": KernelPathCounts(training=6, inference=3, allocations=10),
+    "SSN": KernelPathCounts(training=6, inference=3, allocations=10),
+    "SyncSSN": KernelPathCounts(training=6, inference=3, allocations=10),
     "DN": KernelPathCounts(training=7, inference=3, allocations=10),
     "MGN": KernelPathCounts(training=6, inference=3, allocations=10),
     "MN": KernelPathCounts(training=6, inference=3, allocations=10),

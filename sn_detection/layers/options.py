@@ -39,6 +39,10 @@ MOMENTUM = Rule(
 )
 BOOLEAN = Rule(lambda v: isinstance(v, bool), "True or False")
 POSITIVE_INT = Rule(lambda v: is_int(v) and v >= 1, "an int >= 1")
+RADIUS_RANGE = Rule(
+    lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(is_number(r) and r >= 0 for r in v),
+    "(start, end): SSN's radius before the first iteration and after the last, numbers >= 0",
+)
 
 
 def check_options(owner: Callable, rules: Mapping[str, Rule], **options) -> None:

@@ -55,6 +55,7 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
 
     option_rules = {"eps": POSITIVE, "momentum": MOMENTUM, "use_bn": BOOLEAN}
     gate_parameters = ("mean_weight", "var_weight")
+    branch_mapping = "softmax"  # the mapping from logits to weights in the fused kernels
 
     def __init__(self, num_channels: int, *, eps: float = 1e-5, momentum: float | None = 0.1, use_bn: bool = True):
         super().__init__(num_channels, eps=eps, momentum=momentum, use_bn=use_bn)
@@ -74,21 +75,26 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
     def scale_and_shift(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         """The per-(n, c) scale and shift this layer applies, y = (x - mean_in) * scale + shift, from the IN
         mean and variance of an input with ``spatial_size`` = H * W, each (N, C) or, in evaluation,
-        (N, C, 1, 1); updates the running statistics in training. The means enter as offsets from mean_in
-        (IN's own offset is 0): differences of nearby values keep their digits, which the centred output
-        needs (``moment_normalizer``)."""
+        (N, C, 1, 1); updates the running statistics in training. Only the branches of ``used_branches()``
+        are computed. The means enter as offsets from mean_in (IN's own offset is 0): differences of nearby
+        values keep their digits, which the centred output needs (``moment_normalizer``)."""
         mean_weights, var_weights = self.branch_weights(mean_in.dtype)
-        # LN (Eq. 5) by the law of total variance, which subtracts no large second moments
-        to_in = mean_in - mean_in.mean(1, keepdim=True)
-        var_ln = (var_in + to_in.square()).mean(1, keepdim=True)
-        offset = -mean_weights[1] * to_in
-        var = var_weights[0] * var_in + var_weights[1] * var_ln
-        if self.use_bn:
+        used = self.used_branches()
+        offsets: list[Tensor] = []
+        variances: list[Tensor] = []
+        if used[0]:
+            variances.append(var_weights[0] * var_in)
+        if used[1]:
+            # LN (Eq. 5) by the law of total variance, which subtracts no large second moments
+            to_in = mean_in - mean_in.mean(1, keepdim=True)
+            offsets.append(-mean_weights[1] * to_in)
+            variances.append(var_weights[1] * (var_in + to_in.square()).mean(1, keepdim=True))
+        if used[2]:
             mean_bn, var_bn = self._batch_branch(mean_in, var_in, spatial_size)
-            offset = offset + mean_weights[2] * (mean_bn - mean_in)
-            var_eps = var + (var_weights[2] * var_bn + self.eps)  # in evaluation one constant (C,): one operation
-        else:
-            var_eps = var + self.eps
+            offsets.append(mean_weights[2] * (mean_bn - mean_in))
+            variances.append(var_weights[2] * var_bn + self.eps)  # in evaluation one constant: one operation
+        var_eps = _sum(variances) if used[2] else _sum(variances) + self.eps
+        offset = _sum(offsets) if len(offsets) > 0 else torch.zeros_like(mean_in)
         return affine_from_moments(per_channel(self.weight, mean_in), per_channel(self.bias, mean_in), offset, var_eps)
 
     def branch_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -96,6 +102,17 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
         in ``dtype``: softmax(mean_weight), softmax(var_weight)."""
         # in the statistics' dtype even for fp16 logits (model.half())
         return torch.softmax(self.mean_weight.to(dtype), 0), torch.softmax(self.var_weight.to(dtype), 0)
+
+    def used_branches(self) -> list[bool]:
+        """Whether the mixture computes each branch [IN, LN, BN]: every branch the layer has."""
+        return [True, True, self.use_bn]
+
+    def logit_gradients(
+        self, mean_weights: Tensor, var_weights: Tensor, grad_mean_weights: Tensor, grad_var_weights: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The gradients of ``mean_weight`` and ``var_weight`` from those of the weights ``branch_weights``
+        gave (the closed forms' backward): the softmax's, w * (g - sum_k w_k g_k)."""
+        return _softmax_backward(mean_weights, grad_mean_weights), _softmax_backward(var_weights, grad_var_weights)
 
     @torch.jit.unused
     def fused_plan(self, x: Tensor) -> FusedPlan | None:
@@ -161,3 +178,16 @@ class SyncSwitchableNorm2d(SwitchableNorm2d):
 
 def _several_processes() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _softmax_backward(weights: Tensor, grad_weights: Tensor) -> Tensor:
+    """The gradient of the logits of ``weights = softmax(logits)``."""
+    return weights * (grad_weights - (weights * grad_weights).sum())
+
+
+def _sum(terms: list[Tensor]) -> Tensor:
+    """The sum of ``terms`` (at least one), broadcast; a loop TorchScript compiles."""
+    total = terms[0]
+    for k in range(1, len(terms)):
+        total = total + terms[k]
+    return total

@@ -9,8 +9,9 @@ Forward, from the IN moments m, v (N, C) (``switchable``; LN and BN moments by t
     offset   = a_ln (mu_ln - m) + a_bn (mu_bn - m),    var = b_in v + b_ln var_ln + b_bn var_bn
     scale    = gamma r,   r = (var + eps)^(-1/2),   shift = beta - offset * scale
 
-with a = softmax(mean_weight), b = softmax(var_weight); the output is (x - m) * scale + shift. In
-evaluation mu_bn, var_bn are the running statistics; in training the kernel also moves them.
+with a = softmax(mean_weight), b = softmax(var_weight) for SN, or SSN's SparsestMax (``sparse_switchable``);
+the output is (x - m) * scale + shift. In evaluation mu_bn, var_bn are the running statistics; in training
+the kernel also moves them (and, for SSN, fixes weights that are one-hot).
 
 Backward, from D = sum_HW grad_y (x - m) and S = sum_HW grad_y: the output's gradients with respect to scale
 and shift are D and S, and the centring at m adds -scale * S to m's. With
@@ -18,7 +19,7 @@ and shift are D and S, and the centring at m adds -scale * S to m's. With
     E = D - S * offset   (the gradient reaching scale through both terms),
     G = -E * scale * r^2 / 2   (reaching var),   H = -S * scale   (reaching offset),
 
-the parameters' gradients are grad gamma = sum_n E r, grad beta = sum_n S, and for the logits the softmax's
+the parameters' gradients are grad gamma = sum_n E r, grad beta = sum_n S, and for the logits the mapping's
 backward of grad b_k = sum_{n,c} G var_k and grad a_k = sum_{n,c} H (mu_k - m) (a_in's branch has offset 0).
 Pooled statistics pass their gradients back to each (n, c) by d mu_ln / dm = 1 / C and
 d var_ln / dm = 2 (m - mu_ln) / C, d var_ln / dv = 1 / C (the mean's own term cancels: the deviations sum to
@@ -38,6 +39,16 @@ backward one kernel writes this process's gradient of those sums, from its sums 
 processes add them up, and the backward kernel passes them on to every (n, c) (d sum / dm = HW,
 d sum_sq / dm = 2 m HW, d sum_sq / dv = HW), in float64, where their large parts cancel. Eight launches and
 two all-reduces per training step.
+
+The mapping from logits to weights is the kernels' constexpr MAPPING, by the layer's ``branch_mapping``:
+SOFTMAX, whose backward is w * (g - sum_k w_k g_k), or SPARSESTMAX. SparsestMax's vector-Jacobian product, for
+its 2 or 3 entries, by the regime of its result p (``sparse_switchable``): where p is the sparsemax w, the
+sparsemax's backward, g minus its mean over the support S, on S; where p is the point u + r n on the circle
+(n = (w - u) / |w - u| and p in the simplex), the circle's (r / |w - u|) (I - n n^T) g first, then the
+sparsemax's; where p does not depend on the logits (the edge point, the clip, the one-hot vector from the
+vertices' distance on, the fixed weights, the direction towards IN at the centre), nothing. The tensor
+operations take the gradient of ``branch_weights`` by autograd (``logit_gradients``), against which the
+kernels are tested.
 
 Both versions compute the BN branch like the LN one, two-pass in the statistics dtype, and move the running
 statistics in place by ``running``'s rule (``running_kernels`` in the kernels).
@@ -77,17 +88,90 @@ _MAX_BLOCK_C = 64
 # Where the BN branch's statistics come from (BN_SOURCE), and so where their gradient goes (BN_GRAD); the
 # kernels read the same values as constexpr globals.
 _RUNNING, _BATCH, _POOLED, _POOLED_SUMS = range(4)
+# The mapping from logits to importance weights (MAPPING), by a layer's ``branch_mapping``.
+_MAPPINGS = {"softmax": 0, "sparsestmax": 1}
 
 if triton is not None:
     RUNNING, BATCH, POOLED, POOLED_SUMS = (tl.constexpr(value) for value in range(4))
+    SOFTMAX, SPARSESTMAX = (tl.constexpr(value) for value in range(2))
 
     @triton.jit
-    def _branch_weights(logits_ptr, NUM_BRANCHES: tl.constexpr):
-        # softmax of the 2 or 3 logits [IN, LN, BN], as three scalars (the BN one 0 without the branch)
+    def _softmax(logits_ptr, NUM_BRANCHES: tl.constexpr):
+        # softmax of the 2 or 3 logits [IN, LN, BN], as a vector of 4 (0 past the last branch)
         k = tl.arange(0, 4)
         logits = tl.load(logits_ptr + k, mask=k < NUM_BRANCHES, other=float("-inf")).to(tl.float32)
         e = tl.exp(logits - tl.max(logits, 0))
-        w = e / tl.sum(e, 0)
+        return e / tl.sum(e, 0)
+
+    @triton.jit
+    def _sparsestmax(logits_ptr, radius, NUM_BRANCHES: tl.constexpr):
+        # SparsestMax of the 2 or 3 logits (``sparse_switchable``, the same steps as ``sparsestmax``), as a
+        # vector of 4, with what its vector-Jacobian product needs: the support of the sparsemax and its size,
+        # the unit direction from the centre and the distance, whether the circle's point is the result, and
+        # whether the result is constant (the edge point, the clip or the vertex)
+        k = tl.arange(0, 4)
+        valid = k < NUM_BRANCHES
+        z = tl.load(logits_ptr + k, mask=valid, other=0.0).to(tl.float32)
+        z = tl.where(valid, z - tl.max(tl.where(valid, z, float("-inf")), 0), 0.0)
+        # [i, j]: entry j against entry i
+        at_least = (z[None, :] >= z[:, None]) & valid[None, :]
+        count = tl.sum(at_least.to(tl.float32), 1)
+        total = tl.sum(tl.where(at_least, z[None, :], 0.0), 1)
+        support = (1 + count * z > total) & valid
+        size = tl.sum(support.to(tl.float32), 0)
+        tau = (tl.sum(tl.where(support, z, 0.0), 0) - 1) / size
+        w = tl.where(support, tl.maximum(z - tau, 0.0), 0.0)
+        ahead = (z[None, :] > z[:, None]) | ((z[None, :] == z[:, None]) & (k[None, :] < k[:, None]))
+        rank = tl.sum((ahead & valid[None, :]).to(tl.int32), 1)
+        if NUM_BRANCHES == 3:
+            vertex = 0.816496580927726  # sqrt(2/3), the vertices' distance to the centre
+        else:
+            vertex = 0.7071067811865476
+        centre = 1.0 / NUM_BRANCHES
+        diff = tl.where(valid, w - centre, 0.0)
+        squared = tl.sum(diff * diff, 0)
+        at_centre = squared == 0
+        distance = tl.sqrt(tl.where(at_centre, 1.0, squared))
+        towards_first = tl.where(valid, tl.where(k == 0, 1.0, 0.0) - centre, 0.0) / vertex
+        direction = tl.where(at_centre, towards_first, diff / distance)
+        inside = tl.where(at_centre, 0.0, distance) < radius
+        p = centre + radius * direction
+        lowest = tl.min(tl.where(valid, p, 1.0), 0)
+        left = lowest < 0
+        if NUM_BRANCHES == 3:
+            half_chord = tl.sqrt(tl.maximum(2 * radius * radius - 1.0 / 3.0, 0.0))
+            edge = tl.where(rank == 0, (1 + half_chord) / 2, tl.where(rank == 1, (1 - half_chord) / 2, 0.0))
+            p = tl.where(left, edge, p)
+        weights = tl.minimum(tl.maximum(tl.where(inside, p, w), 0.0), 1.0)
+        beyond = radius >= vertex
+        weights = tl.where(valid, tl.where(beyond, tl.where(rank == 0, 1.0, 0.0), weights), 0.0)
+        on_circle = inside & (squared != 0) & (lowest >= 0)
+        constant = beyond | (inside & (at_centre | left))
+        return weights, rank, support, size, direction, distance, on_circle, constant
+
+    @triton.jit
+    def _sparsestmax_vjp(logits_ptr, radius, g, NUM_BRANCHES: tl.constexpr):
+        # the gradient of the logits from g, that of the weights: nothing where the result is constant; through
+        # the circle's point, (r / d) (I - n n^T) g with n the unit direction; then the sparsemax's backward,
+        # g minus its mean over the support, on the support
+        k = tl.arange(0, 4)
+        _, _, support, size, n, distance, on_circle, constant = _sparsestmax(logits_ptr, radius, NUM_BRANCHES)
+        g = tl.where(k < NUM_BRANCHES, g, 0.0)
+        g_w = tl.where(on_circle, radius / distance * (g - n * tl.sum(n * g, 0)), g)
+        g_w = tl.where(constant, 0.0, g_w)
+        return tl.where(support, g_w - tl.sum(tl.where(support, g_w, 0.0), 0) / size, 0.0)
+
+    @triton.jit
+    def _branch_weights(logits_ptr, fixed_ptr, radius_ptr, NUM_BRANCHES: tl.constexpr, MAPPING: tl.constexpr):
+        # the importance weights of the 2 or 3 branches [IN, LN, BN] (MAPPING: SN's softmax, or SSN's
+        # SparsestMax, the one-hot vector of the branch once fixed), as three scalars (BN's 0 without the branch)
+        k = tl.arange(0, 4)
+        if MAPPING == SPARSESTMAX:
+            w, _, _, _, _, _, _, _ = _sparsestmax(logits_ptr, tl.load(radius_ptr).to(tl.float32), NUM_BRANCHES)
+            fixed = tl.load(fixed_ptr)
+            w = tl.where(fixed >= 0, tl.where(k == fixed, 1.0, 0.0), w)
+        else:
+            w = _softmax(logits_ptr, NUM_BRANCHES)
         return (
             tl.sum(tl.where(k == 0, w, 0.0), 0),
             tl.sum(tl.where(k == 1, w, 0.0), 0),
@@ -95,14 +179,33 @@ if triton is not None:
         )
 
     @triton.jit
-    def _logit_gradients(grad_ptr, weights_logits_ptr, g0, g1, g2, pid, NUM_BRANCHES: tl.constexpr):
-        # the softmax's backward: grad logit_j = w_j (g_j - sum_k w_k g_k), stored by the first program
+    def _fix_one_hot(logits_ptr, fixed_ptr, fixed_at_ptr, iteration_ptr, radius_ptr, pid, NUM_BRANCHES: tl.constexpr):
+        # SSN's rule of a training forward: weights that are one-hot now (largest - smallest >= 1) are fixed to
+        # their branch, at the schedule's iteration; stored by the first program (a program that reads the new
+        # value computes the same weights: the one-hot vector of that branch)
         k = tl.arange(0, 4)
-        logits = tl.load(weights_logits_ptr + k, mask=k < NUM_BRANCHES, other=float("-inf")).to(tl.float32)
-        e = tl.exp(logits - tl.max(logits, 0))
-        w = e / tl.sum(e, 0)
+        valid = k < NUM_BRANCHES
+        w, rank, _, _, _, _, _, _ = _sparsestmax(logits_ptr, tl.load(radius_ptr).to(tl.float32), NUM_BRANCHES)
+        one_hot = tl.max(tl.where(valid, w, 0.0), 0) - tl.min(tl.where(valid, w, 1.0), 0) >= 1
+        newly = one_hot & (tl.load(fixed_ptr) < 0) & (pid == 0)
+        choice = tl.sum(tl.where(valid & (rank == 0), k, 0), 0).to(tl.int64)
+        tl.store(fixed_ptr, choice, mask=newly)
+        tl.store(fixed_at_ptr, tl.load(iteration_ptr), mask=newly)
+
+    @triton.jit
+    def _logit_gradients(
+        grad_ptr, logits_ptr, fixed_ptr, radius_ptr, g0, g1, g2, pid, NUM_BRANCHES: tl.constexpr, MAPPING: tl.constexpr
+    ):
+        # the backward of the mapping from the weights' gradients g, stored by the first program: the softmax's,
+        # grad logit_j = w_j (g_j - sum_k w_k g_k); SparsestMax's vector-Jacobian product, 0 once fixed
+        k = tl.arange(0, 4)
         g = tl.where(k == 0, g0, tl.where(k == 1, g1, g2))
-        grad = w * (g - tl.sum(w * g, 0))
+        if MAPPING == SPARSESTMAX:
+            grad = _sparsestmax_vjp(logits_ptr, tl.load(radius_ptr).to(tl.float32), g, NUM_BRANCHES)
+            grad = tl.where(tl.load(fixed_ptr) >= 0, 0.0, grad)
+        else:
+            w = _softmax(logits_ptr, NUM_BRANCHES)
+            grad = w * (g - tl.sum(w * g, 0))
         tl.store(grad_ptr + k, grad, mask=(k < NUM_BRANCHES) & (pid == 0))
 
     @triton.jit
@@ -187,6 +290,12 @@ if triton is not None:
         bias_ptr,
         mean_logits_ptr,
         var_logits_ptr,
+        radius_ptr,
+        iteration_ptr,
+        mean_fixed_ptr,
+        var_fixed_ptr,
+        mean_fixed_at_ptr,
+        var_fixed_at_ptr,
         running_mean_ptr,
         running_var_ptr,
         tracked_ptr,
@@ -198,13 +307,17 @@ if triton is not None:
         momentum,
         count,
         NUM_BRANCHES: tl.constexpr,
+        MAPPING: tl.constexpr,
+        FIX: tl.constexpr,
         BN_SOURCE: tl.constexpr,
         UPDATE_RUNNING: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
         # BN_SOURCE: BATCH (this batch, of ``count`` values per channel), RUNNING (the running statistics) or
-        # POOLED (the sums of every process, float64 [count, sum of x (C), sum of x^2 (C)] at pooled_ptr). The
+        # POOLED (the sums of every process, float64 [count, sum of x (C), sum of x^2 (C)] at pooled_ptr).
+        # MAPPING: SOFTMAX (SN), or SPARSESTMAX (SSN, whose radius, fixed branches and the iteration they were
+        # fixed at are read from their buffers; with FIX, a training forward, one-hot weights are fixed). The
         # blocks (``map_passes``): moments (mean, variance), affine (scale, shift, then this kernel's statistics
         # for the backward)
         mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
@@ -212,8 +325,13 @@ if triton is not None:
         pid = tl.program_id(0)
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < C
-        a_in, a_ln, a_bn = _branch_weights(mean_logits_ptr, NUM_BRANCHES)
-        b_in, b_ln, b_bn = _branch_weights(var_logits_ptr, NUM_BRANCHES)
+        a_in, a_ln, a_bn = _branch_weights(mean_logits_ptr, mean_fixed_ptr, radius_ptr, NUM_BRANCHES, MAPPING)
+        b_in, b_ln, b_bn = _branch_weights(var_logits_ptr, var_fixed_ptr, radius_ptr, NUM_BRANCHES, MAPPING)
+        if FIX:
+            _fix_one_hot(
+                mean_logits_ptr, mean_fixed_ptr, mean_fixed_at_ptr, iteration_ptr, radius_ptr, pid, NUM_BRANCHES
+            )
+            _fix_one_hot(var_logits_ptr, var_fixed_ptr, var_fixed_at_ptr, iteration_ptr, radius_ptr, pid, NUM_BRANCHES)
         gamma = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         beta = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
 
@@ -354,6 +472,9 @@ if triton is not None:
         weight_ptr,
         mean_logits_ptr,
         var_logits_ptr,
+        radius_ptr,
+        mean_fixed_ptr,
+        var_fixed_ptr,
         pooled_ptr,
         grad_pooled_ptr,
         pq_ptr,
@@ -366,6 +487,7 @@ if triton is not None:
         spatial,
         eps,
         NUM_BRANCHES: tl.constexpr,
+        MAPPING: tl.constexpr,
         BN_GRAD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_C: tl.constexpr,
@@ -382,8 +504,8 @@ if triton is not None:
         pid = tl.program_id(0)
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < C
-        a_in, a_ln, a_bn = _branch_weights(mean_logits_ptr, NUM_BRANCHES)
-        b_in, b_ln, b_bn = _branch_weights(var_logits_ptr, NUM_BRANCHES)
+        a_in, a_ln, a_bn = _branch_weights(mean_logits_ptr, mean_fixed_ptr, radius_ptr, NUM_BRANCHES, MAPPING)
+        b_in, b_ln, b_bn = _branch_weights(var_logits_ptr, var_fixed_ptr, radius_ptr, NUM_BRANCHES, MAPPING)
         gamma = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         k_bn, d_bn, var_bn = _bn_statistics(stats_ptr, cols, col_mask, N, C, NUM_BRANCHES)
 
@@ -436,6 +558,9 @@ if triton is not None:
                 weight_ptr,
                 mean_logits_ptr,
                 var_logits_ptr,
+                radius_ptr,
+                mean_fixed_ptr,
+                var_fixed_ptr,
                 grad_pooled_ptr,
                 p_ptr,
                 q_ptr,
@@ -460,6 +585,7 @@ if triton is not None:
                 b_ln,
                 b_bn,
                 NUM_BRANCHES,
+                MAPPING,
                 BN_GRAD,
                 BLOCK_N,
                 BLOCK_C,
@@ -487,6 +613,9 @@ if triton is not None:
         weight_ptr,
         mean_logits_ptr,
         var_logits_ptr,
+        radius_ptr,
+        mean_fixed_ptr,
+        var_fixed_ptr,
         grad_pooled_ptr,
         p_ptr,
         q_ptr,
@@ -511,6 +640,7 @@ if triton is not None:
         b_ln,
         b_bn,
         NUM_BRANCHES: tl.constexpr,
+        MAPPING: tl.constexpr,
         BN_GRAD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_C: tl.constexpr,
@@ -606,20 +736,26 @@ if triton is not None:
         _logit_gradients(
             grad_mean_logits_ptr,
             mean_logits_ptr,
+            mean_fixed_ptr,
+            radius_ptr,
             0.0,
             tl.sum(tl.sum(grad_a_ln, 1), 0),
             tl.sum(tl.sum(grad_a_bn, 1), 0),
             pid,
             NUM_BRANCHES,
+            MAPPING,
         )
         _logit_gradients(
             grad_var_logits_ptr,
             var_logits_ptr,
+            var_fixed_ptr,
+            radius_ptr,
             tl.sum(tl.sum(grad_b_in, 1), 0),
             tl.sum(tl.sum(grad_b_ln, 1), 0),
             tl.sum(tl.sum(grad_b_bn, 1), 0),
             pid,
             NUM_BRANCHES,
+            MAPPING,
         )
 
 
@@ -629,8 +765,9 @@ def _blocks(n: int, c: int) -> tuple[int, int]:
 
 
 class SwitchableKernels:
-    """SN's fused (N, C) kernels for inputs of one signature (``moment_normalizer.FusedPlan``); with ``pooled``,
-    SyncSN's across several processes, whose BN branch pools every process's sums."""
+    """SN's (and SSN's: its ``branch_mapping``) fused (N, C) kernels for inputs of one signature
+    (``moment_normalizer.FusedPlan``); with ``pooled``, SyncSN's across several processes, whose BN branch pools
+    every process's sums."""
 
     def __init__(self, layer, x: Tensor, pooled: bool = False):
         self.passes = TritonPasses(x)
@@ -642,8 +779,15 @@ class SwitchableKernels:
         self.grid = (cdiv(c, block_c),)
         self.stats_size = 3 * n + 3 * c  # what backward needs: k_ln, d_ln, var_ln (N each), k_bn, d_bn, var_bn (C each)
         self.count = float(n * h * w)  # values per channel of this process's batch (pooled sums hold their own)
-        constants = dict(NUM_BRANCHES=3 if layer.use_bn else 2, BLOCK_N=block_n, BLOCK_C=block_c)
-        self.forward_constants = dict(BN_SOURCE=self.bn_source, UPDATE_RUNNING=self.bn_source != _RUNNING, **constants)
+        self.sparse = layer.branch_mapping == "sparsestmax"  # SSN: its buffers go to the kernels
+        mapping = _MAPPINGS[layer.branch_mapping]
+        constants = dict(NUM_BRANCHES=3 if layer.use_bn else 2, MAPPING=mapping, BLOCK_N=block_n, BLOCK_C=block_c)
+        self.forward_constants = dict(
+            FIX=self.sparse and layer.training,
+            BN_SOURCE=self.bn_source,
+            UPDATE_RUNNING=self.bn_source != _RUNNING,
+            **constants,
+        )
         self.backward_constants = dict(BN_GRAD=self.bn_source, **constants)
         self.sums_constants = dict(BLOCK_N=block_n, BLOCK_C=block_c)
 
@@ -651,15 +795,18 @@ class SwitchableKernels:
         n, c = self.passes.vector_shape
         affine = self.passes.block(moments, 2, self.stats_size)
         running = layer.running_buffers() if layer.use_bn else (moments,) * 3
+        sparsity = layer.sparsity_buffers() if self.sparse else (moments,) * 6  # read only by SSN
         pooled = self._pooled_sums(moments) if self.bn_source == _POOLED else moments  # read only when pooled
         launch(
             _forward_kernel,
             self.grid,
-            (moments, *parameters, *running, pooled, affine, n, c, layer.eps, layer.momentum, self.count),
+            (moments, *parameters, *sparsity, *running, pooled, affine, n, c, layer.eps, layer.momentum, self.count),
             self.forward_constants,
         )
         if self.bn_source != _RUNNING:
             written_in_place(*running)
+        if self.forward_constants["FIX"]:
+            written_in_place(*sparsity[2:])
         return affine, pooled
 
     def _pooled_sums(self, moments: Tensor) -> Tensor:
@@ -677,7 +824,8 @@ class SwitchableKernels:
         n, c = self.passes.vector_shape
         pq = self.passes.block(moments, 2)
         grads = [torch.empty_like(t) for t in parameters]
-        arguments = [moments, affine, sums, weight, mean_weight, var_weight, pooled]
+        radius, _, mean_fixed, var_fixed, _, _ = layer.sparsity_buffers() if self.sparse else (moments,) * 6
+        arguments = [moments, affine, sums, weight, mean_weight, var_weight, radius, mean_fixed, var_fixed, pooled]
         grad_pooled = moments  # read only when pooled
         if self.bn_source == _POOLED:  # this process's gradient of the pooled sums, added up as the autograd path does
             grad_pooled = torch.empty_like(pooled)
@@ -758,16 +906,6 @@ class SwitchableClosedForms:
                 column_g, column_h = g.sum(0), h.sum(0)
                 grad_m = grad_m + (a[2] * column_h - 2 * b[2] * column_g * to_bn) / n
                 grad_v = grad_v + b[2] * column_g / n
-        grads = [
-            (e * r).sum(0),
-            total.sum(0),
-            _softmax_backward(a, torch.stack(grad_a)),
-            _softmax_backward(b, torch.stack(grad_b)),
-        ]
+        grads = [(e * r).sum(0), total.sum(0), *layer.logit_gradients(a, b, torch.stack(grad_a), torch.stack(grad_b))]
         grads = [grad.to(parameter.dtype) for grad, parameter in zip(grads, parameters)]
         return (2 * grad_v / self.spatial, grad_m / self.spatial), grads
-
-
-def _softmax_backward(weights: Tensor, grad_weights: Tensor) -> Tensor:
-    """The gradient of the logits of ``weights = softmax(logits)``."""
-    return weights * (grad_weights - (weights * grad_weights).sum())

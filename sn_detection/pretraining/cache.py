@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 # Bump when pretraining changes what it produces, so that cached backbones are made again.
 RECIPE_VERSION = 1
+SPARSE_NORMS = ("SSN", "SyncSSN")
+SSN_KEYS = ("SSN_GATE_LR_FACTOR", "SSN_GATE_CLIP_NORM", "SSN_RADIUS")  # PRETRAIN keys read for SSN layers only
 
 
 DEFAULT_PRETRAINED_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "sn_detection", "pretrained")
@@ -60,6 +62,9 @@ def cache_key(cfg: CfgNode) -> dict:
         pretrain["EVAL_PERIOD"] = cfg.PRETRAIN.EVAL_PERIOD
     else:  # the key that STOP_TOP1 0 leaves out is that of every backbone made before it existed
         del pretrain["STOP_TOP1"]
+    if pretrained_norm(cfg) not in SPARSE_NORMS:  # SSN's rules shape an SSN backbone only; the others keep their keys
+        for key in SSN_KEYS:
+            del pretrain[key]
     return {
         "recipe": RECIPE_VERSION,
         "resnets": dict(cfg.MODEL.RESNETS, NORM=pretrained_norm(cfg)),  # FrozenBN's backbone is BN's

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from detectron2.config import CfgNode as CN
 
-from ..layers.options import NON_NEGATIVE, POSITIVE_INT, Rule, is_int, is_number
+from ..layers.options import NON_NEGATIVE, POSITIVE_INT, RADIUS_RANGE, Rule, is_int, is_number
 
 
 def add_pretrain_config(cfg: CN) -> None:
@@ -37,11 +37,16 @@ def add_pretrain_config(cfg: CN) -> None:
     cfg.PRETRAIN.MOMENTUM = 0.9
     cfg.PRETRAIN.WEIGHT_DECAY = 1e-4  # convolutions and the classifier; no decay on norms and gates
     cfg.PRETRAIN.GATE_LR_FACTOR = 1.0
+    # SSN's logits: the SSN authors' ImageNet rules (a tenth of the learning rate, gradients clipped to a total
+    # norm of 1; 0: no clip) and its radius, rising linearly over the PRETRAIN.MAX_ITER schedule
+    cfg.PRETRAIN.SSN_GATE_LR_FACTOR = 0.1
+    cfg.PRETRAIN.SSN_GATE_CLIP_NORM = 1.0
+    cfg.PRETRAIN.SSN_RADIUS = (0.0, 1.0)
     cfg.PRETRAIN.LABEL_SMOOTHING = 0.1
     # after the last iteration, the batch-dependent statistics (BN, SN's BN branch, DN) become those of
     # this many training batches (the SN paper's batch average; 0: keep the moving averages)
     cfg.PRETRAIN.BATCH_AVERAGE_BATCHES = 50
-    cfg.PRETRAIN.SYNC_NORMS = False  # SN -> SyncSN, BN -> SyncBN: batch statistics over all processes
+    cfg.PRETRAIN.SYNC_NORMS = False  # SN -> SyncSN, SSN -> SyncSSN, BN -> SyncBN: batch statistics over all processes
     cfg.PRETRAIN.AMP = False
     # capture the training step (forward, backward, SGD step) in a CUDA graph after a few eager steps and
     # replay it (graphed_step): the losses of eager training to float32 rounding, without the host's cost per
@@ -78,6 +83,9 @@ PRETRAIN_KEY_RULES = {
     "MOMENTUM": Rule(lambda v: is_number(v) and 0 < v < 1, "a number in (0, 1) (Nesterov momentum)"),
     "WEIGHT_DECAY": NON_NEGATIVE,
     "GATE_LR_FACTOR": NON_NEGATIVE,
+    "SSN_GATE_LR_FACTOR": NON_NEGATIVE,
+    "SSN_GATE_CLIP_NORM": NON_NEGATIVE,
+    "SSN_RADIUS": RADIUS_RANGE,
     "LABEL_SMOOTHING": Rule(lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "BATCH_AVERAGE_BATCHES": _INT_AT_LEAST_0,
     "NUM_WORKERS": _INT_AT_LEAST_0,

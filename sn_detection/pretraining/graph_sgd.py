@@ -52,7 +52,7 @@ class DeviceLRSGD:
     that fused SGD, which ``GradScaler.step`` takes."""
 
     def __init__(self, source: torch.optim.Optimizer):
-        if type(source) is not torch.optim.SGD:
+        if not isinstance(source, torch.optim.SGD):
             raise TypeError(f"DeviceLRSGD steps a torch.optim.SGD, not a {type(source).__name__}")
         if not has_stepped(source):
             raise ValueError(

@@ -44,6 +44,7 @@ import torch
 from detectron2.engine import AMPTrainer, HookBase, SimpleTrainer
 from detectron2.utils import comm
 
+from ..d2.optimizer import clip_gate_gradients
 from .graph_sgd import DeviceLRSGD, has_stepped
 
 WARMUP_STEPS = 3  # eager steps before the capture, as in torch's whole-network example
@@ -168,6 +169,7 @@ class GraphedTrainer(GraphedSteps, SimpleTrainer):
     def _captured_step(self, batch) -> dict:
         loss_dict = _as_loss_dict(self.model(batch))
         sum(loss_dict.values()).backward()
+        clip_gate_gradients(self.optimizer)
         self._sgd.optimizer.step()
         return loss_dict
 
@@ -188,6 +190,8 @@ class GraphedAMPTrainer(GraphedSteps, AMPTrainer):
             loss_dict = _as_loss_dict(self.model(batch))
             losses = sum(loss_dict.values())
         self.grad_scaler.scale(losses).backward()
+        # the fused step unscales inside its kernel: the clip bounds the gradients scaled as they are
+        clip_gate_gradients(self.optimizer, self.grad_scaler._scale)
         self.grad_scaler.step(self._sgd.optimizer)
         self.grad_scaler.update()
         return loss_dict

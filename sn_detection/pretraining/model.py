@@ -30,7 +30,7 @@ from ..layers import NORM_NAMES, RunningMoments, norm_class
 # backbone) is BN with fixed statistics and affine, which only BN can learn; its keys are BN's.
 PRETRAINED_AS = {"FrozenBN": "BN"}
 # PRETRAIN.SYNC_NORMS: the norm names whose batch statistics then pool over all processes
-SYNCED_NAMES = {"SN": "SyncSN", "BN": "SyncBN"}
+SYNCED_NAMES = {"SN": "SyncSN", "SSN": "SyncSSN", "BN": "SyncBN"}
 
 
 def backbone_cfg(cfg: CfgNode) -> CfgNode:

@@ -51,8 +51,8 @@ from torch.utils.data import DataLoader
 from ..conversion import InputConvention
 from ..conversion.files import write_checkpoint
 from ..d2.checkpointer import CheckedCheckpointer, check_resumed_iteration
-from ..d2.hooks import batch_average_hook
-from ..d2.optimizer import get_optimizer_params
+from ..d2.hooks import batch_average_hook, radius_hook
+from ..d2.optimizer import GateClippingSGD, get_optimizer_params
 from ..d2.trainers import share_first_process_buffers, step_trainer
 from .data import ClassificationImages, SeededStream, collate, data_folder, shard
 from .graphed_step import GraphedAMPTrainer, GraphedTrainer
@@ -85,8 +85,10 @@ def build_optimizer(cfg: CfgNode, model: torch.nn.Module) -> torch.optim.Optimiz
         weight_decay_bias=0.0,
         gate_lr_factor=cfg.PRETRAIN.GATE_LR_FACTOR,
         gate_weight_decay=0.0,
+        ssn_gate_lr_factor=cfg.PRETRAIN.SSN_GATE_LR_FACTOR,
+        ssn_gate_clip_norm=cfg.PRETRAIN.SSN_GATE_CLIP_NORM,
     )
-    return torch.optim.SGD(
+    return GateClippingSGD(
         params,
         lr=cfg.PRETRAIN.BASE_LR,
         momentum=cfg.PRETRAIN.MOMENTUM,
@@ -272,6 +274,7 @@ def pretrain(cfg: CfgNode, resume: bool = False, output_dir: str | None = None) 
     )
     trainer.register_hooks(
         [
+            radius_hook(ddp, cfg.PRETRAIN.MAX_ITER, *cfg.PRETRAIN.SSN_RADIUS),
             hooks.IterationTimer(),
             hooks.LRScheduler(optimizer, schedule),
             evaluation,  # before the batch average and the checkpointer: it may make this iteration the last

@@ -102,6 +102,27 @@ def sn_authors_checkpoint(net: nn.Module, prefix="module.", with_bn=True) -> dic
     }
 
 
+def ssn_authors_checkpoint(net: nn.Module, prefix="module.", with_bn=True) -> dict:
+    """The SSN authors' checkpoint of ``net`` (a torchvision ResNet with SparseSwitchableNorm2d): the SN authors'
+    layout (``sn_authors_checkpoint``) with, per layer, 0/1 int64 flags ``mean_fixed`` and ``var_fixed`` of
+    shape (1,) in place of our fixed branches, the logits of a fixed vector overwritten with the one-hot
+    values of its branch, as their layer does, and ``radius`` of shape (1,); none of our other buffers."""
+    checkpoint = sn_authors_checkpoint(net, prefix, with_bn)
+    state = checkpoint["state_dict"]
+    for key in [key for key in state if key.endswith(("_fixed_at", ".iteration"))]:
+        del state[key]
+    for key in [key for key in state if key.endswith(("mean_fixed", "var_fixed"))]:
+        branch = int(state[key])
+        logits = key.replace("_fixed", "_weight")
+        if branch >= 0:
+            state[logits] = torch.nn.functional.one_hot(torch.tensor(branch), len(state[logits])).float()
+        state[key] = torch.tensor([int(branch >= 0)], dtype=torch.int64)
+    for key in [key for key in state if key.endswith(".radius")]:
+        state[key] = state[key].reshape(1)
+    checkpoint["model"] = "resnetv1ssn50"
+    return checkpoint
+
+
 def detectron_gn_blobs(net: nn.Module) -> dict:
     """Detectron's Caffe2 blobs of ``net`` (a torchvision ResNet with nn.GroupNorm), as float32 numpy
     arrays, with the classifier and an SGD momentum blob per parameter, as in a trained file."""

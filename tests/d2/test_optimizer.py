@@ -1,6 +1,7 @@
 """Optimizer parameter groups: SOLVER.WEIGHT_DECAY_NORM for our norms' affine parameters, the gate rule
 (SOLVER.GATE_WEIGHT_DECAY, lr x SOLVER.GATE_LR_FACTOR) for SN's logits, DN's gates and MN's / MGN's
-gate, detectron2's rules for everything else."""
+gate, SSN's (lr x SOLVER.SSN_GATE_LR_FACTOR, gradients clipped to SOLVER.SSN_GATE_CLIP_NORM), detectron2's
+rules for everything else."""
 
 import pytest
 import torch
@@ -9,10 +10,13 @@ from detectron2.solver import build_lr_scheduler
 from torch import nn
 
 from sn_detection.d2 import add_sn_config, build_optimizer, get_optimizer_params
+from sn_detection.d2.optimizer import GateClippingSGD, clip_gate_gradients
 from sn_detection.engine import Trainer
 from sn_detection.layers import NORM_CLASSES, NORM_NAMES, build_norm, gate_parameter_names
 
 BASE_LR, WEIGHT_DECAY, WEIGHT_DECAY_NORM, GATE_WEIGHT_DECAY, GATE_LR_FACTOR = 0.02, 1e-4, 2e-5, 3e-6, 0.1
+SSN_GATE_LR_FACTOR = 0.05
+SPARSE = ("SSN", "SyncSSN")
 
 
 def solver_cfg(*opts):
@@ -30,6 +34,8 @@ def solver_cfg(*opts):
             GATE_WEIGHT_DECAY,
             "SOLVER.GATE_LR_FACTOR",
             GATE_LR_FACTOR,
+            "SOLVER.SSN_GATE_LR_FACTOR",
+            SSN_GATE_LR_FACTOR,
             *opts,
         ]
     )
@@ -73,10 +79,11 @@ def test_groups_hold_the_norm_and_gate_rules():
         for param_name, param in model[name].named_parameters():
             if param_name in gate_parameter_names(model[name]):
                 gates += 1
-                assert found[param] == pytest.approx((BASE_LR * GATE_LR_FACTOR, GATE_WEIGHT_DECAY)), (name, param_name)
+                factor = SSN_GATE_LR_FACTOR if name in SPARSE else GATE_LR_FACTOR
+                assert found[param] == pytest.approx((BASE_LR * factor, GATE_WEIGHT_DECAY)), (name, param_name)
             else:
                 assert found[param] == (BASE_LR, WEIGHT_DECAY_NORM), (name, param_name)
-    assert gates == 5 * 2  # SN, SyncSN, DN, MGN, MN: two each
+    assert gates == 7 * 2  # SN, SyncSN, SSN, SyncSSN, DN, MGN, MN: two each
     for param in model["bn"].parameters():
         assert found[param] == (BASE_LR, WEIGHT_DECAY_NORM)
     for param in (*model["conv"].parameters(), *model["fc"].parameters()):
@@ -99,7 +106,7 @@ def test_detectron2s_bias_rules_still_apply_to_our_norms_biases():
 def test_few_groups_sgd_settings_and_gradient_clipping():
     cfg = solver_cfg("SOLVER.MOMENTUM", 0.8, "SOLVER.NESTEROV", True, "SOLVER.CLIP_GRADIENTS.ENABLED", True)
     optimizer = build_optimizer(cfg, network())
-    assert len(optimizer.param_groups) == 3  # default, norm, gate
+    assert len(optimizer.param_groups) == 4  # default, norm, gate, SSN's gate
     assert all(g["momentum"] == 0.8 and g["nesterov"] for g in optimizer.param_groups)
     assert isinstance(optimizer, torch.optim.SGD) and type(optimizer) is not torch.optim.SGD
 
@@ -127,8 +134,9 @@ def test_plain_arguments_give_the_groups_of_the_config():
         weight_decay_norm=WEIGHT_DECAY_NORM,
         gate_lr_factor=GATE_LR_FACTOR,
         gate_weight_decay=GATE_WEIGHT_DECAY,
+        ssn_gate_lr_factor=SSN_GATE_LR_FACTOR,
     )
-    optimizer = torch.optim.SGD(params, lr=BASE_LR, momentum=0.9, weight_decay=WEIGHT_DECAY)
+    optimizer = GateClippingSGD(params, lr=BASE_LR, momentum=0.9, weight_decay=WEIGHT_DECAY)
     assert hyperparameters(optimizer) == hyperparameters(build_optimizer(solver_cfg(), model))
 
 
@@ -137,7 +145,7 @@ def test_the_trainer_builds_this_optimizer():
     assert hyperparameters(Trainer.build_optimizer(cfg, model)) == hyperparameters(build_optimizer(cfg, model))
 
 
-@pytest.mark.parametrize("option", ["gate_lr_factor", "gate_weight_decay"])
+@pytest.mark.parametrize("option", ["gate_lr_factor", "gate_weight_decay", "ssn_gate_lr_factor", "ssn_gate_clip_norm"])
 @pytest.mark.parametrize("value", [-1.0, float("inf")])
 def test_plain_gate_arguments_follow_the_config_keys_rules(option, value):
     """A LazyConfig passes these directly: a negative LR factor would make the gates climb the loss."""
@@ -145,3 +153,59 @@ def test_plain_gate_arguments_follow_the_config_keys_rules(option, value):
         ValueError, match=f"get_optimizer_params: {option}={value!r} is invalid: it must be a number >= 0"
     ):
         get_optimizer_params(build_norm("SN", 8), base_lr=0.02, **{option: value})
+
+
+def test_ssn_gates_get_the_authors_rules_by_default():
+    """A tenth of the learning rate, no weight decay, gradients clipped to a total norm of 1."""
+    cfg = get_cfg()
+    add_sn_config(cfg)
+    model = network()
+    optimizer = build_optimizer(cfg, model)
+    assert isinstance(optimizer, GateClippingSGD)
+    sparse_gates = {id(model[name].mean_weight) for name in SPARSE} | {id(model[name].var_weight) for name in SPARSE}
+    for group in optimizer.param_groups:
+        if {id(p) for p in group["params"]} & sparse_gates:
+            assert {id(p) for p in group["params"]} == sparse_gates  # one group, clipped together
+            assert group["lr"] == pytest.approx(0.1 * cfg.SOLVER.BASE_LR) and group["weight_decay"] == 0
+            assert group["clip_norm"] == 1.0
+        else:
+            assert "clip_norm" not in group
+    groups = get_optimizer_params(model, base_lr=0.02, ssn_gate_clip_norm=0.0)
+    assert not any("clip_norm" in group for group in groups)  # 0: no clip
+
+
+def clipped_model():
+    model = nn.ModuleDict({"ssn": build_norm("SSN", 4), "other": build_norm("SSN", 4), "sn": build_norm("SN", 4)})
+    generator = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=generator) * 3
+    return model
+
+
+def test_the_step_clips_the_ssn_gates_total_norm_and_nothing_else():
+    model = clipped_model()
+    optimizer = GateClippingSGD(get_optimizer_params(model, base_lr=1.0), lr=1.0)
+    gates = [model[name].mean_weight for name in ("ssn", "other")] + [
+        model[name].var_weight for name in ("ssn", "other")
+    ]
+    grads = [g.grad.clone() for g in gates]
+    norm = torch.linalg.vector_norm(torch.cat(grads))
+    assert norm > 1
+    untouched = {p: p.grad.clone() for p in model.parameters() if all(p is not g for g in gates)}
+    before = [g.detach().clone() for g in gates]
+    optimizer.step()
+    for gate, grad, old in zip(gates, grads, before):
+        # the step took lr x factor (0.1) x the gradient scaled to a total norm of 1
+        torch.testing.assert_close(gate.detach(), old - 0.1 * grad / (norm + 1e-6))
+    assert all(torch.equal(p.grad, grad) for p, grad in untouched.items())
+
+
+def test_a_gradient_scale_clips_the_unscaled_gradients():
+    model, scaled = clipped_model(), clipped_model()
+    for p in scaled.parameters():
+        p.grad *= 1024
+    params = get_optimizer_params(model, base_lr=1.0)
+    clip_gate_gradients(torch.optim.SGD(params, lr=1.0))
+    clip_gate_gradients(torch.optim.SGD(get_optimizer_params(scaled, base_lr=1.0), lr=1.0), torch.tensor(1024.0))
+    for p, q in zip(model.parameters(), scaled.parameters()):
+        torch.testing.assert_close(q.grad, 1024 * p.grad)

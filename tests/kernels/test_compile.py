@@ -70,17 +70,18 @@ def recorded_launches():
         return contextlib.nullcontext()
 
     with observed_launches(observe):
-        # SyncSN's kernels for several processes too: one process stands in for them (its sums all-reduced
-        # with nobody)
+        # SyncSN's and SyncSSN's kernels for several processes too: one process stands in for them (its sums
+        # all-reduced with nobody)
         with (
             mock.patch.object(switchable, "_several_processes", lambda: True),
             mock.patch.object(switchable_kernels.dist, "all_reduce", lambda tensor: None),
         ):
-            for layout in (torch.contiguous_format, torch.channels_last):
-                x = torch.randn(2, 24, 3, 5).contiguous(memory_format=layout).requires_grad_()
-                layer = build_norm("SyncSN", 24)
-                layer(x).backward(torch.ones_like(x))
-            build_norm("SyncSN", 24, momentum=None)(x).backward(torch.ones_like(x))
+            for name in ("SyncSN", "SyncSSN"):
+                for layout in (torch.contiguous_format, torch.channels_last):
+                    x = torch.randn(2, 24, 3, 5).contiguous(memory_format=layout).requires_grad_()
+                    layer = build_norm(name, 24)
+                    layer(x).backward(torch.ones_like(x))
+                build_norm(name, 24, momentum=None)(x).backward(torch.ones_like(x))
         for name in NORM_NAMES:
             big = (2, 2048, 1, 1) if name == "DN" else (70, 96, 1, 1)  # DN: several channel chunks
             for dtype, layout, shape, modes in (

@@ -25,8 +25,8 @@ from sn_detection.layers.launch_counts import count_dispatch  # noqa: E402
 from sn_detection.layers.moment_normalizer import reference_normalize_by_moments  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
-FORWARD_KERNEL = {"SN": "triton:_forward_kernel", "SyncSN": "triton:_forward_kernel", "BNSR": "triton:_forward_kernel"}
-# (name, options): SN with and without its BN branch, BNSR at p = 1 (BatchNorm), above and below 1
+FORWARD_KERNEL = dict.fromkeys(["SN", "SyncSN", "SSN", "SyncSSN", "BNSR"], "triton:_forward_kernel")
+# (name, options): SN and SSN with and without their BN branch, BNSR at p = 1 (BatchNorm), above and below 1
 LAYERS = [
     ("SN", {}),
     ("SN", {"use_bn": False}),
@@ -34,8 +34,12 @@ LAYERS = [
     ("BNSR", {}),
     ("BNSR", {"p": 1.0}),
     ("BNSR", {"p": 1.3}),
+    ("SSN", {}),
+    ("SSN", {"use_bn": False}),
+    ("SyncSSN", {}),
 ]
-IDS = ["SN", "SN-no-bn", "SyncSN", "BNSR", "BNSR-p1", "BNSR-p1.3"]
+IDS = ["SN", "SN-no-bn", "SyncSN", "BNSR", "BNSR-p1", "BNSR-p1.3", "SSN", "SSN-no-bn", "SyncSSN"]
+SSN_RADIUS = 0.3  # SparsestMax between the sparsemax and the circle for the perturbed logits (``make``)
 SHAPES = [(3, 16, 5, 7), (70, 24, 1, 2), (1, 8, 1, 1), (2, 8, 1, 1)]  # 70: more samples than a tile
 
 
@@ -48,6 +52,8 @@ def make(name, options, channels, training, seed=0):
         if hasattr(layer, "running_mean"):  # evaluation uses them: not the trivial 0 and 1
             layer.running_mean.normal_()
             layer.running_var.uniform_(0.5, 2.0)
+    if hasattr(layer, "set_radius"):
+        layer.set_radius(SSN_RADIUS)
     return layer.to(DEVICE).train(training)
 
 

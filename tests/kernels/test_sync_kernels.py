@@ -1,6 +1,6 @@
-"""SyncSN across processes on its fused kernels (``switchable_kernels``, pooled): a batch split over two real
-processes (gloo on the CPU, the kernels under Triton's interpreter in each) gives the outputs, input
-gradients, summed parameter gradients and running statistics of one SN on the whole batch; a process whose
+"""SyncSN and SyncSSN across processes on their fused kernels (``switchable_kernels``, pooled): a batch split over
+two real processes (gloo on the CPU, the kernels under Triton's interpreter in each) gives the outputs, input
+gradients, summed parameter gradients and running statistics of one SN (SSN) on the whole batch; a process whose
 slice is empty runs the autograd path and takes part in the same all-reduces.
 
 Runs where tests/kernels/test_map_passes.py runs, with the interpreter (the processes are CPU ones).
@@ -19,21 +19,31 @@ if int(triton.__version__.split(".")[0]) < 3:
 
 from gloo_processes import run_processes
 
-from sn_detection.layers import SwitchableNorm2d, SyncSwitchableNorm2d
+from sn_detection.layers import (
+    SparseSwitchableNorm2d,
+    SwitchableNorm2d,
+    SyncSparseSwitchableNorm2d,
+    SyncSwitchableNorm2d,
+)
 from sn_detection.layers.launch_counts import recorded_kernels
 
 CHANNELS = 6
 WORLD_SIZE = 2
 SPLITS = {"3+1": (3, 1), "2+0": (2, 0), "0+2": (0, 2)}
+# a layer of one process on the whole batch, and its synchronised twin
+LAYERS = {"SN": (SwitchableNorm2d, SyncSwitchableNorm2d), "SSN": (SparseSwitchableNorm2d, SyncSparseSwitchableNorm2d)}
 
 
-def problem(sizes, seed):
-    """The whole batch, the upstream gradient and a random layer state, identical in every process."""
+def problem(sizes, seed, name="SN"):
+    """The whole batch, the upstream gradient and a random layer state, identical in every process (SSN's at
+    a radius where SparsestMax's circle and edge act)."""
     generator = torch.Generator().manual_seed(seed)
     shape = (sum(sizes), CHANNELS, 3, 4)
     x = torch.randn(shape, generator=generator) * 2 + 1
     grad_y = torch.randn(shape, generator=generator)
-    state = SwitchableNorm2d(CHANNELS).state_dict()
+    state = LAYERS[name][0](CHANNELS).state_dict()
+    if name == "SSN":
+        state["radius"] = torch.tensor(0.4)
     for key in ("weight", "bias", "mean_weight", "var_weight"):
         state[key] = torch.randn(state[key].shape, generator=generator)
     state["running_mean"] = torch.randn(CHANNELS, generator=generator)
@@ -52,13 +62,14 @@ def step(layer, x, grad_y):
 
 def worker(rank, result_dir):
     results = {}
-    for seed, (name, sizes) in enumerate(SPLITS.items()):
-        x, grad_y, state = problem(sizes, seed)
-        layer = SyncSwitchableNorm2d(CHANNELS)
-        layer.load_state_dict(state)
-        start = sum(sizes[:rank])
-        part = slice(start, start + sizes[rank])
-        results[name] = step(layer, x[part], grad_y[part])
+    for layer_name, (_, synced) in LAYERS.items():
+        for seed, (name, sizes) in enumerate(SPLITS.items()):
+            x, grad_y, state = problem(sizes, seed, layer_name)
+            layer = synced(CHANNELS)
+            layer.load_state_dict(state)
+            start = sum(sizes[:rank])
+            part = slice(start, start + sizes[rank])
+            results[layer_name, name] = step(layer, x[part], grad_y[part])
     torch.save(results, result_dir / f"rank{rank}.pt")
 
 
@@ -70,13 +81,14 @@ def distributed_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(SPLITS))
-def test_a_split_batch_on_the_kernels_equals_the_whole_batch(distributed_results, name):
+@pytest.mark.parametrize("layer_name", list(LAYERS))
+def test_a_split_batch_on_the_kernels_equals_the_whole_batch(distributed_results, layer_name, name):
     sizes = SPLITS[name]
-    x, grad_y, state = problem(sizes, list(SPLITS).index(name))
-    whole = SwitchableNorm2d(CHANNELS)
+    x, grad_y, state = problem(sizes, list(SPLITS).index(name), layer_name)
+    whole = LAYERS[layer_name][0](CHANNELS)
     whole.load_state_dict(state)
     expected = step(whole, x, grad_y)
-    ranks = [results[name] for results in distributed_results]
+    ranks = [results[layer_name, name] for results in distributed_results]
     for rank, size in enumerate(sizes):
         kernels = ranks[rank]["kernels"]
         # a non-empty slice takes the pooled kernels: its sums, then its gradient of them, all-reduced

@@ -10,7 +10,9 @@ from sn_detection.layers import (
     ModeNorm2d,
     PositionalNorm2d,
     SkewnessReducedBatchNorm2d,
+    SparseSwitchableNorm2d,
     SwitchableNorm2d,
+    SyncSparseSwitchableNorm2d,
     SyncSwitchableNorm2d,
     build_norm,
     norm_options,
@@ -19,6 +21,8 @@ from sn_detection.layers import (
 EXPECTED = {
     "SN": SwitchableNorm2d,
     "SyncSN": SyncSwitchableNorm2d,
+    "SSN": SparseSwitchableNorm2d,
+    "SyncSSN": SyncSparseSwitchableNorm2d,
     "DN": DynamicNorm2d,
     "GN": GroupNorm2d,
     "MGN": ModeGroupNorm2d,
@@ -48,6 +52,7 @@ def test_options_reach_the_layer():
 def test_options_are_the_keyword_only_parameters():
     assert norm_options("GN") == ("num_groups", "eps")
     assert norm_options("SN") == ("eps", "momentum", "use_bn")
+    assert norm_options("SSN") == norm_options("SyncSSN") == ("eps", "momentum", "use_bn")
     assert norm_options("PONO") == ("eps",)
 
 

@@ -10,7 +10,7 @@ import torch
 from sn_detection.layers import NORM_NAMES, RunningMoments, build_norm
 from sn_detection.layers.running import NO_STATISTICS, MomentAccumulator, group_sums, mode_sums, moments_from_sums
 
-WITH_RUNNING_STATISTICS = ["SN", "SyncSN", "DN", "MN", "BNSR"]
+WITH_RUNNING_STATISTICS = ["SN", "SyncSN", "SSN", "SyncSSN", "DN", "MN", "BNSR"]
 
 
 def trained(name, channels=8):

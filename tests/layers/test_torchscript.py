@@ -19,9 +19,9 @@ CHANNELS = 8
 # DN and MN keep their batch-average state in an instance attribute that is None outside a batch
 # average; TorchScript reads it as None (and warns that it cannot use its annotation).
 pytestmark = pytest.mark.filterwarnings("ignore:The TorchScript type system doesn't support instance-level")
-# SyncSN's training forward all-reduces through torch.distributed, which TorchScript cannot compile
-# (see test_scripted_sync_sn_refuses_training_with_a_clear_error).
-SCRIPTABLE_IN_TRAINING = [name for name in NORM_NAMES if name != "SyncSN"]
+# SyncSN's (and SyncSSN's) training forward all-reduces through torch.distributed, which TorchScript cannot
+# compile (see test_scripted_sync_sn_refuses_training_with_a_clear_error).
+SCRIPTABLE_IN_TRAINING = [name for name in NORM_NAMES if name not in ("SyncSN", "SyncSSN")]
 
 
 def make(name, training):

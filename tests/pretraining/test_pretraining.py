@@ -84,6 +84,21 @@ def test_a_resumed_pretraining_equals_an_uninterrupted_one(tiny_classification_s
     assert all(torch.equal(torch.as_tensor(first[key]), torch.as_tensor(second[key])) for key in first)
 
 
+def test_an_ssn_pretraining_raises_the_radius_and_resumes_with_it(tiny_classification_set, tmp_path, monkeypatch):
+    ssn = ("MODEL.RESNETS.NORM", "SSN")
+    whole = pretrain(tiny_cfg(tiny_classification_set, tmp_path / "whole", *ssn))
+    cfg = tiny_cfg(tiny_classification_set, tmp_path / "resumed", *ssn)
+    pretrain_killed_at(monkeypatch, cfg, 3)
+    resumed = pretrain(cfg, resume=True)
+    assert resumed["val_top1"] == whole["val_top1"] and resumed["norm"] == "SSN"
+    first, second = (backbone_tensors(tmp_path / name / BACKBONE_FILE) for name in ("whole", "resumed"))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(torch.as_tensor(first[key]), torch.as_tensor(second[key])) for key in first)
+    radii = {float(value) for key, value in first.items() if key.endswith(".radius")}
+    assert radii == {0.75}  # PRETRAIN.SSN_RADIUS (0, 1) before the last of 4 iterations
+    assert {int(value) for key, value in first.items() if key.endswith(".iteration")} == {3}
+
+
 def test_a_stopped_pretraining_is_the_beginning_of_the_whole_run(tiny_classification_set, tmp_path):
     """PRETRAIN.STOP_ITER k trains the first k iterations of the PRETRAIN.MAX_ITER run, on that run's schedule,
     then batch-averages and evaluates; stopping at the end is the whole run, under the same cache key."""
