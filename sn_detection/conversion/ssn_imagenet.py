@@ -50,6 +50,12 @@ EXPECTED_LAYOUT = (
 
 _FLAGS = {"mean_fixed": "mean_weight", "var_fixed": "var_weight"}  # a flag and the logits it fixes
 NAMES = TorchvisionNames("sn", sn_imagenet.NAMES_PARAMS + ("mean_fixed", "var_fixed", "radius"))
+# the terms of the weights, which the converter prints beside the file it writes (docs/pretrained_weights.md)
+WEIGHTS_TERMS = (
+    "the SSN authors' ImageNet weights: their repository (https://github.com/switchablenorms/Sparse_SwitchNorm) "
+    "names no licence, in its README or in a licence file, so no one is granted any right to them beyond what "
+    "the law allows: ask the authors before using this file, or a detector finetuned from it, outside research."
+)
 
 load = sn_imagenet.load
 

@@ -36,3 +36,14 @@ def output_file(text: str) -> str:
 def create_folder_of(path: str) -> None:
     """The folder of the file ``path``, with the folders above it, made where missing."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def add_fold_argument(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--fold: with --eval-only, evaluate the trained model with its norms folded for inference
+    (``d2.fold_norms``), the model a deployment runs."""
+    parser.add_argument(
+        "--fold",
+        action="store_true",
+        help="with --eval-only: fold the norms for inference first (constant affines into the convolutions)",
+    )
+    return parser

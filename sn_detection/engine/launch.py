@@ -11,7 +11,7 @@ from detectron2.engine import default_setup, launch
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
-from ..d2 import CheckedCheckpointer, add_sn_config, validate_sn_config
+from ..d2 import CheckedCheckpointer, add_sn_config, fold_norms, validate_sn_config
 from ..data.datasets import check_datasets, register_shapes_datasets
 from .trainer import Trainer
 
@@ -76,6 +76,8 @@ def train_or_evaluate(args):
             checkpointer.evaluate_from(checkpointer.get_checkpoint_file(), f"the last checkpoint in {cfg.OUTPUT_DIR}")
         else:
             checkpointer.evaluate_from(cfg.MODEL.WEIGHTS, "MODEL.WEIGHTS")
+        if args.fold:
+            fold_norms(model)
         return Trainer.test(cfg, model)
     trainer = Trainer(cfg)
     trainer.resume_or_load(resume=args.resume)

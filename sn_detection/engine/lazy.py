@@ -34,13 +34,14 @@ from detectron2.evaluation import inference_on_dataset, print_csv_format
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
-from ..d2 import CheckedCheckpointer, ddp_model, share_first_process_buffers, step_trainer
+from ..d2 import CheckedCheckpointer, ddp_model, fold_norms, share_first_process_buffers, step_trainer
 from ..d2.checkpointer import check_resumed_iteration
 from ..d2.graphed_backbone import GraphedBackbone, graph_backbone
 from ..d2.hooks import batch_average_hook, insert_before_evaluation, radius_hook
 from ..d2.norm_analysis import norm_analysis_hook
 from ..data.datasets import register_shapes_datasets
 from ..layers.options import POSITIVE_INT, RADIUS_RANGE
+from .arguments import add_fold_argument
 from .launch import launch_processes
 from .trainer import write_results
 
@@ -170,16 +171,22 @@ def train_or_evaluate(args) -> dict | None:
     if args.eval_only:
         model = ddp_model(built_model(cfg, graphed_backbone_options(cfg.train)))
         CheckedCheckpointer(model).evaluate_from(cfg.train.init_checkpoint, "train.init_checkpoint")
+        if args.fold:
+            fold_norms(model)
         return evaluate(cfg, model)
     train(cfg, args.resume)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """detectron2's training arguments: the config, --eval-only, --resume, the processes, key=value overrides."""
-    return default_argument_parser()
+    """detectron2's training arguments: the config, --eval-only, --resume, the processes, key=value overrides;
+    and --fold."""
+    return add_fold_argument(default_argument_parser())
 
 
 def main(argv: Sequence[str] | None = None):
     """Parse detectron2's training arguments (overrides as key=value) and run in K processes."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.fold and not args.eval_only:
+        parser.error("--fold goes with --eval-only: a model whose norms are folded cannot train")
     return launch_processes(train_or_evaluate, args)

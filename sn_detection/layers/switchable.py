@@ -85,10 +85,9 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
         if used[0]:
             variances.append(var_weights[0] * var_in)
         if used[1]:
-            # LN (Eq. 5) by the law of total variance, which subtracts no large second moments
-            to_in = mean_in - mean_in.mean(1, keepdim=True)
+            to_in, var_ln = layer_moments(mean_in, var_in)
             offsets.append(-mean_weights[1] * to_in)
-            variances.append(var_weights[1] * (var_in + to_in.square()).mean(1, keepdim=True))
+            variances.append(var_weights[1] * var_ln)
         if used[2]:
             mean_bn, var_bn = self._batch_branch(mean_in, var_in, spatial_size)
             offsets.append(mean_weights[2] * (mean_bn - mean_in))
@@ -183,6 +182,14 @@ def _several_processes() -> bool:
 def _softmax_backward(weights: Tensor, grad_weights: Tensor) -> Tensor:
     """The gradient of the logits of ``weights = softmax(logits)``."""
     return weights * (grad_weights - (weights * grad_weights).sum())
+
+
+def layer_moments(mean_in: Tensor, var_in: Tensor) -> tuple[Tensor, Tensor]:
+    """LN's statistics from the IN ones (Eq. 5, pooled over channels): each map's mean's deviation from its
+    sample's, mean_in - mu_ln, and var_ln, written as the law of total variance, which subtracts no large
+    second moments."""
+    to_in = mean_in - mean_in.mean(1, keepdim=True)
+    return to_in, (var_in + to_in.square()).mean(1, keepdim=True)
 
 
 def _sum(terms: list[Tensor]) -> Tensor:

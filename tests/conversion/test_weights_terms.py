@@ -6,18 +6,24 @@ import re
 
 import pytest
 import torch
-from resnet_sources import detectron_gn_blobs, sn_authors_checkpoint, torchvision_resnet, write_pickle
+from resnet_sources import (
+    detectron_gn_blobs,
+    sn_authors_checkpoint,
+    ssn_authors_checkpoint,
+    torchvision_resnet,
+    write_pickle,
+)
 from torch import nn
 
 from sn_detection.conversion import SOURCES, weights_terms
 from sn_detection.conversion.cli import main
-from sn_detection.layers import SwitchableNorm2d
+from sn_detection.layers import SparseSwitchableNorm2d, SwitchableNorm2d
 
 DOC = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "pretrained_weights.md"
 )
 # the licence each source's terms name, as the doc's table names it
-LICENCES = {"sn": "CC BY-NC 4.0", "gn": "CC BY-SA 3.0", "torchvision": "no licence"}
+LICENCES = {"sn": "CC BY-NC 4.0", "ssn": "names no licence", "gn": "CC BY-SA 3.0", "torchvision": "no licence"}
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +34,14 @@ def source_files(tmp_path_factory):
     torch.save(sn_authors_checkpoint(torchvision_resnet(18, norm_layer=SwitchableNorm2d, seed=8)), directory / "sn.pth")
     gn_net = torchvision_resnet(18, norm_layer=lambda c: nn.GroupNorm(32, c), seed=9)
     write_pickle({"blobs": detectron_gn_blobs(gn_net)}, directory / "gn.pkl")
-    return {"torchvision": directory / "torchvision.pth", "sn": directory / "sn.pth", "gn": directory / "gn.pkl"}
+    ssn_net = torchvision_resnet(18, norm_layer=SparseSwitchableNorm2d, seed=10)
+    torch.save(ssn_authors_checkpoint(ssn_net), directory / "ssn.pth")
+    return {
+        "torchvision": directory / "torchvision.pth",
+        "sn": directory / "sn.pth",
+        "ssn": directory / "ssn.pth",
+        "gn": directory / "gn.pkl",
+    }
 
 
 @pytest.mark.parametrize("source", list(SOURCES))

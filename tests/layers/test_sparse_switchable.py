@@ -266,7 +266,8 @@ def test_the_closed_forms_give_the_reference_paths_values(state, training, dtype
     grad_y = features(dtype=dtype, seed=9)
     closed = run(copy.deepcopy(layer), x, grad_y)
     plan = layer.call_plan(x)
-    assert isinstance(plan, SwitchableClosedForms) == (state != "both-fixed")  # both fixed: the torch path
+    # both fixed: the torch path; evaluation off the kernel path: normalize_by_moments (``moment_normalizer``)
+    assert isinstance(plan, SwitchableClosedForms) == (training and state != "both-fixed")
     assert_same(closed, run(copy.deepcopy(layer), x, grad_y, reference_path), 1e-10 if dtype == torch.float64 else 2e-5)
     if fixed[0] >= 0 or state == "free-edge":  # fixed, or on the edge point, which depends on the radius alone
         assert not closed[1]["mean_weight"].any()
