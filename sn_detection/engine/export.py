@@ -100,36 +100,30 @@ def is_lazy_config(config_file: str) -> bool:
 
 def load_model(config_file: str, opts: list) -> tuple[nn.Module, dict]:
     """The trained model of the config in evaluation mode, and what the sample needs of the config
-    (``test_dataset``, ``min_size``, ``max_size``, ``image_format``)."""
+    (``test_dataset``, the test loader's ``augmentations``, ``image_format``)."""
     if is_lazy_config(config_file):
         cfg = LazyConfig.apply_overrides(LazyConfig.load(config_file), opts)
         model = instantiate(cfg.model)
         model.to(cfg.train.device if torch.cuda.is_available() else "cpu")
         d2.CheckedCheckpointer(model).evaluate_from(cfg.train.init_checkpoint, "train.init_checkpoint")
-        resize = _lazy_resize(cfg)
         dataset = cfg.dataloader.test.dataset.names
         return model.eval(), dict(
             test_dataset=dataset if isinstance(dataset, str) else dataset[0],
-            min_size=resize.short_edge_length[0] if resize else None,
-            max_size=resize.max_size if resize else None,
+            augmentations=instantiate(cfg.dataloader.test.mapper.get("augmentations", [])),
             image_format=getattr(cfg.model, "input_format", "BGR"),
         )
     cfg = load_cfg(config_file, opts)
     model, _ = load_trained_model(cfg, opts)
+    resize = (
+        [T.ResizeShortestEdge([cfg.INPUT.MIN_SIZE_TEST] * 2, cfg.INPUT.MAX_SIZE_TEST)]
+        if cfg.INPUT.MIN_SIZE_TEST
+        else []
+    )
     return model, dict(
         test_dataset=cfg.DATASETS.TEST[0] if cfg.DATASETS.TEST else None,
-        min_size=cfg.INPUT.MIN_SIZE_TEST,
-        max_size=cfg.INPUT.MAX_SIZE_TEST,
+        augmentations=resize,
         image_format=cfg.INPUT.FORMAT,
     )
-
-
-def _lazy_resize(cfg):
-    """The test loader's ResizeShortestEdge, if it has one."""
-    for augmentation in cfg.dataloader.test.mapper.get("augmentations", []):
-        if "short_edge_length" in augmentation:
-            return augmentation
-    return None
 
 
 def sample_image(path: str | None, sample: dict) -> Tensor:
@@ -144,9 +138,8 @@ def sample_image(path: str | None, sample: dict) -> Tensor:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--sample-image {path} does not exist")
     image = read_image(path, format=sample["image_format"])
-    if sample["min_size"]:
-        resize = T.ResizeShortestEdge([sample["min_size"], sample["min_size"]], sample["max_size"])
-        image = resize.get_transform(image).apply_image(image)
+    for augmentation in sample["augmentations"]:
+        image = augmentation.get_transform(image).apply_image(image)
     return torch.as_tensor(np.ascontiguousarray(image.astype("float32").transpose(2, 0, 1)))
 
 

@@ -62,12 +62,15 @@ import torch
 from torch import Tensor, nn
 
 from . import map_passes
+from .group import GroupNorm2d
+from .inference import ChannelAffine, EvaluationForm
 from .kernel_launch import interpreting
 from .options import is_number
 from .running import _is_replaying
 from .switchable import SwitchableNorm2d, SyncSwitchableNorm2d
 
 FREE = -1  # mean_fixed / var_fixed of weights that are not fixed, *_fixed_at of an unknown iteration
+IN_BRANCH, LN_BRANCH, BN_BRANCH = range(3)
 
 
 def sparsemax(logits: Tensor) -> Tensor:
@@ -199,6 +202,25 @@ class SparseSwitchableNorm2d(SwitchableNorm2d):
             if chosen is not None:
                 used = [chosen[0] == k or chosen[1] == k for k in range(3)]
         return used
+
+    def evaluation_form(self) -> EvaluationForm:
+        """At inference (``inference``), once both weights are fixed on one branch, the one normalizer chosen: IN
+        is GN with a group per channel, LN is GN with one group (its statistics pool every channel and pixel
+        of a sample), BN is a ``ChannelAffine`` of the running statistics; otherwise (free weights, or mean
+        and variance from two branches) SN's form with its weights as constants, which computes only the
+        branches they use (``switchable.FrozenSwitchableNorm2d``)."""
+        chosen = int(self.mean_fixed), int(self.var_fixed)
+        if chosen[0] != chosen[1] or chosen[0] == FREE:
+            return super().evaluation_form()
+        if chosen[0] == BN_BRANCH:
+            affine = ChannelAffine.of_statistics(self.running_mean, self.running_var, self.weight, self.bias, self.eps)
+            return EvaluationForm(affine, None)
+        groups = self.num_channels if chosen[0] == IN_BRANCH else 1
+        group_norm = GroupNorm2d(self.num_channels, num_groups=groups, eps=self.eps).to(self.weight.device)
+        with torch.no_grad():
+            group_norm.weight.copy_(self.weight)
+            group_norm.bias.copy_(self.bias)
+        return EvaluationForm(None, group_norm.requires_grad_(False).eval())
 
     @torch.jit.unused
     def chosen_branches(self) -> tuple[int, int] | None:

@@ -44,6 +44,8 @@ import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
 
 from . import map_passes
+from .inference import EvaluationForm
+from .map_passes import as_dtype
 from .moment_normalizer import FusedPlan, MomentNormalizer, affine_from_moments, per_channel
 from .options import BOOLEAN, MOMENTUM, POSITIVE
 from .running import MomentSums, RunningMoments, group_sums, moments_from_sums
@@ -113,6 +115,10 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
         gave (the closed forms' backward): the softmax's, w * (g - sum_k w_k g_k)."""
         return _softmax_backward(mean_weights, grad_mean_weights), _softmax_backward(var_weights, grad_var_weights)
 
+    def evaluation_form(self) -> EvaluationForm:
+        """At inference (``inference``): ``FrozenSwitchableNorm2d``, the layer with its weights as constants."""
+        return EvaluationForm(None, FrozenSwitchableNorm2d.of(self))
+
     @torch.jit.unused
     def fused_plan(self, x: Tensor) -> FusedPlan | None:
         if self.use_bn and self._batch_average is not None:  # the batch average pools float64 sums
@@ -130,6 +136,55 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
     def _reduce(self, sums: MomentSums) -> MomentSums:
         """Pools the BN-branch sums over the units that share statistics; here, this process only."""
         return sums
+
+
+class FrozenSwitchableNorm2d(SwitchableNorm2d):
+    """SN (SyncSN, SSN) at inference, its ``evaluation_form``: the layer's importance weights as they are now,
+    kept as the buffers ``frozen_mean_weights`` and ``frozen_var_weights`` (float32), which its torch path and
+    its exports read as constants instead of recomputing them from the logits; the logits are log(weights), so
+    that the fused kernels' softmax gives the same weights (a weight of 0, which SSN's SparsestMax gives, has
+    logit -inf and stays 0). Only the branches some weight uses are computed. Its parameters are frozen, so it
+    stays in evaluation mode (``base``)."""
+
+    option_rules = dict(SwitchableNorm2d.option_rules)  # its own: the identity names it (not SN's, whose keys differ)
+
+    def __init__(self, num_channels: int, *, eps: float = 1e-5, momentum: float | None = 0.1, use_bn: bool = True):
+        super().__init__(num_channels, eps=eps, momentum=momentum, use_bn=use_bn)
+        branches = 3 if use_bn else 2
+        self.register_buffer("frozen_mean_weights", torch.full((branches,), 1 / branches))
+        self.register_buffer("frozen_var_weights", torch.full((branches,), 1 / branches))
+        self._used = [True, True, use_bn]
+
+    @classmethod
+    def of(cls, layer: SwitchableNorm2d) -> "FrozenSwitchableNorm2d":
+        """The frozen form of ``layer`` (in evaluation mode: its weights and statistics as they are now)."""
+        frozen = cls(layer.num_channels, eps=layer.eps, momentum=layer.momentum, use_bn=layer.use_bn)
+        frozen.to(layer.weight.device)
+        with torch.no_grad():
+            mean_weights, var_weights = layer.branch_weights(torch.float32)
+            frozen.frozen_mean_weights.copy_(mean_weights)
+            frozen.frozen_var_weights.copy_(var_weights)
+            frozen.mean_weight.copy_(_logits_of(mean_weights))
+            frozen.var_weight.copy_(_logits_of(var_weights))
+            frozen.weight.copy_(layer.weight)
+            frozen.bias.copy_(layer.bias)
+            if layer.use_bn:
+                for name in ("running_mean", "running_var", "num_batches_tracked"):
+                    getattr(frozen, name).copy_(getattr(layer, name))
+        used = (mean_weights != 0) | (var_weights != 0)
+        frozen._used = [bool(used[k]) if k < len(used) else False for k in range(3)]
+        return frozen.requires_grad_(False).eval()
+
+    def branch_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The weights the layer had when frozen, in ``dtype``."""
+        return as_dtype(self.frozen_mean_weights, dtype), as_dtype(self.frozen_var_weights, dtype)
+
+    def used_branches(self) -> list[bool]:
+        """The branches some frozen weight uses."""
+        return self._used
+
+    def evaluation_form(self):
+        return EvaluationForm(None, self)
 
 
 class SyncSwitchableNorm2d(SwitchableNorm2d):
@@ -182,6 +237,16 @@ def _several_processes() -> bool:
 def _softmax_backward(weights: Tensor, grad_weights: Tensor) -> Tensor:
     """The gradient of the logits of ``weights = softmax(logits)``."""
     return weights * (grad_weights - (weights * grad_weights).sum())
+
+
+# the logit of a weight of 0: its softmax underflows to exactly 0 in float32 and float64 (and it is finite: a
+# checkpoint refuses Inf)
+_ZERO_WEIGHT_LOGIT = -1e4
+
+
+def _logits_of(weights: Tensor) -> Tensor:
+    """Logits whose softmax is ``weights``: their logarithms, ``_ZERO_WEIGHT_LOGIT`` for zeros."""
+    return torch.where(weights > 0, weights.clamp_min(torch.finfo(weights.dtype).tiny).log(), _ZERO_WEIGHT_LOGIT)
 
 
 def layer_moments(mean_in: Tensor, var_in: Tensor) -> tuple[Tensor, Tensor]:

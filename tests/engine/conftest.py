@@ -13,3 +13,11 @@ def shapes_datasets_on_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def sample_image(tmp_path_factory) -> str:
+    """A PNG image for the export tool's --sample-image (``exported_models``)."""
+    from exported_models import write_sample_image
+
+    return write_sample_image(tmp_path_factory.mktemp("sample"))

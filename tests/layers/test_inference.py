@@ -17,6 +17,7 @@ from sn_detection.layers import (
 )
 from sn_detection.layers.inference import ChannelAffine, EvaluationForm, evaluation_form, fold_into_conv
 from sn_detection.layers.skewness import SignedPowerAffine
+from sn_detection.layers.switchable import FrozenSwitchableNorm2d
 
 CHANNELS = 32
 
@@ -142,3 +143,50 @@ def test_an_affine_folded_into_a_convolution_is_the_convolution_then_the_affine(
         torch.testing.assert_close(conv(x), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="8-channel affine into a convolution with 32 output channels"):
         fold_into_conv(conv, ChannelAffine(torch.ones(8), torch.zeros(8)))
+
+
+@pytest.mark.parametrize(
+    "branches, kind",
+    [((0, 0), "IN"), ((1, 1), "LN"), ((2, 2), "BN"), ((0, 2), None), ((-1, -1), None)],
+    ids=["IN", "LN", "BN", "IN-mean-BN-var", "free"],
+)
+def test_a_fixed_sparse_switchable_layer_is_its_one_normalizer(branches, kind):
+    layer = trained(build_norm("SSN", CHANNELS))
+    layer.mean_fixed.fill_(branches[0])
+    layer.var_fixed.fill_(branches[1])
+    affine, module = evaluation_form(layer)
+    x = sample()
+    expected = {
+        "IN": lambda: nn.functional.instance_norm(x, weight=layer.weight, bias=layer.bias, eps=layer.eps),
+        "LN": lambda: nn.functional.group_norm(x, 1, layer.weight, layer.bias, layer.eps),
+        "BN": lambda: nn.functional.batch_norm(
+            x, layer.running_mean, layer.running_var, layer.weight, layer.bias, False, 0.0, layer.eps
+        ),
+    }
+    with torch.no_grad():
+        if kind is None:  # the layer with its weights as constants, computing only the branches they use
+            assert affine is None and isinstance(module, FrozenSwitchableNorm2d)
+            assert module.used_branches() == ([True, False, True] if branches == (0, 2) else [True, True, True])
+        elif kind == "BN":
+            assert isinstance(affine, ChannelAffine) and module is None
+            torch.testing.assert_close(affine(x), expected[kind](), rtol=1e-5, atol=1e-5)
+        else:
+            assert affine is None and isinstance(module, GroupNorm2d)
+            torch.testing.assert_close(module(x), expected[kind](), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(apply_form(EvaluationForm(affine, module), x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["SN", "SyncSN"])
+def test_switchable_norm_freezes_its_weights_and_keeps_its_kernels_weights(name):
+    layer = trained(build_norm(name, CHANNELS))
+    _, frozen = evaluation_form(layer)
+    assert isinstance(frozen, FrozenSwitchableNorm2d) and frozen.frozen and not frozen.training
+    for frozen_weights, weights in zip(frozen.branch_weights(torch.float64), layer.branch_weights(torch.float64)):
+        torch.testing.assert_close(frozen_weights, weights, rtol=1e-6, atol=1e-7)
+    # the logits the kernels take: their softmax is the frozen weights
+    torch.testing.assert_close(torch.softmax(frozen.mean_weight, 0), frozen.frozen_mean_weights)
+    frozen.train()
+    assert not frozen.training  # frozen parameters: evaluation mode for good (``base``)
+    x = sample()
+    with torch.no_grad():
+        torch.testing.assert_close(frozen(x), layer(x), rtol=1e-5, atol=1e-5)
