@@ -15,10 +15,11 @@ compared with PyTorch.
   ``model.onnx`` (``torch.onnx.export``, the TorchScript-based exporter, opset 17) or ``model.ts``
   (``torch.jit.trace``). Scripting (``detectron2.export.scripting_with_instances``) writes ``model.ts``;
   ONNX needs tracing.
-- The check: the exported file is loaded back and run on the sample (ONNX by onnxruntime on the CPU, the
-  TorchScript by torch) next to the trained PyTorch model (unfolded, with ``--fold``), and every output's
-  largest difference is printed, with the largest relative to that output's largest magnitude; ``export``
-  returns them.
+- The check: the exported file is loaded back and run (ONNX by onnxruntime on the CPU, the TorchScript by
+  torch) next to the trained PyTorch model (unfolded, with ``--fold``), on the sample and, for a traced
+  file, on the sample turned a quarter (the exported ONNX graph takes any image size: its height and width
+  are dynamic); every output's largest difference is printed, with that relative to the output's largest
+  magnitude, and ``export`` returns them.
 
 Exporting needs the model in evaluation mode: a layer whose training output depends on the batch would
 record batch statistics. ONNX needs the optional extra ``pip install sn_detection[export]``.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import inspect
 import os
 from collections.abc import Sequence
@@ -187,16 +189,26 @@ def export(
     with torch.no_grad():
         if format == "onnx":
             _onnx_export(adapter, image, path)
-            got = _run_onnx(path, adapter.flattened_inputs)
+            run = functools.partial(_run_onnx, path)
         else:
             torch.jit.save(torch.jit.trace(adapter, adapter.flattened_inputs, check_trace=False), path)
-            got = torch.jit.load(path)(*adapter.flattened_inputs)
-        expected = reference_adapter(*adapter.flattened_inputs)
-    if len(got) != len(expected):
-        raise RuntimeError(f"the exported model gives {len(got)} outputs, PyTorch {len(expected)}")
-    names, got = _named_outputs(adapter, got)
-    _, expected = _named_outputs(adapter, expected)
-    return _report(path, names, got, expected)
+            run = functools.partial(_run_torchscript, torch.jit.load(path))
+        names, rows = None, []
+        # the sample, and the sample turned a quarter (its height and width swapped): the traced file must take
+        # other sizes than the one it was traced at
+        for check in (image, image.transpose(1, 2).contiguous()):
+            got, expected = run([check]), reference_adapter(check)
+            if len(got) != len(expected):
+                raise RuntimeError(f"the exported model gives {len(got)} outputs, PyTorch {len(expected)}")
+            names, got = _named_outputs(adapter, got)
+            _, expected = _named_outputs(adapter, expected)
+            size = "x".join(str(side) for side in check.shape[1:])
+            rows += _compared([f"{name} ({size})" for name in names], got, expected)
+    return _report(path, rows)
+
+
+def _run_torchscript(module, inputs) -> list:
+    return list(module(*inputs))
 
 
 def _named_outputs(adapter: TracingAdapter, flat) -> tuple[list, list]:
@@ -213,7 +225,19 @@ def _named_outputs(adapter: TracingAdapter, flat) -> tuple[list, list]:
 def _onnx_export(adapter: nn.Module, image: Tensor, path: str) -> None:
     # torch >= 2.5 exports through dynamo unless told otherwise; detectron2's tool takes the TorchScript-based one
     dynamo = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
-    torch.onnx.export(adapter, adapter.flattened_inputs, path, opset_version=ONNX_OPSET, **dynamo)
+    # the image's height and width are the graph's to take: detectron2 traces its shape-dependent code as
+    # operations (anchors, padding, boxes clipped to the image)
+    names = [f"input_{index}" for index in range(len(adapter.flattened_inputs))]
+    dynamic = {names[0]: {1: "height", 2: "width"}}
+    torch.onnx.export(
+        adapter,
+        adapter.flattened_inputs,
+        path,
+        opset_version=ONNX_OPSET,
+        input_names=names,
+        dynamic_axes=dynamic,
+        **dynamo,
+    )
 
 
 def _run_onnx(path: str, inputs) -> list:
@@ -240,10 +264,11 @@ def _export_scripted(model: nn.Module, inputs: list, path: str, reference: nn.Mo
         [getattr(instances, field).tensor if field == "pred_boxes" else getattr(instances, field) for field in fields]
         for instances in (got, expected)
     ]
-    return _report(path, list(fields), *values)
+    return _report(path, _compared(list(fields), *values))
 
 
-def _report(path: str, names: list, got, expected) -> dict:
+def _compared(names: list, got, expected) -> list:
+    """(name, max |difference|, that relative to the output's largest magnitude) per output."""
     rows = []
     for name, value, reference in zip(names, got, expected):
         value, reference = torch.as_tensor(value).double(), torch.as_tensor(reference).double()
@@ -254,6 +279,10 @@ def _report(path: str, names: list, got, expected) -> dict:
         difference = (value - reference).abs().max().item() if reference.numel() else 0.0
         scale = reference.abs().max().item() if reference.numel() else 0.0
         rows.append((name, difference, difference / scale if scale else difference))
+    return rows
+
+
+def _report(path: str, rows: list) -> dict:
     return {"file": path, "outputs": rows, "max_relative": max((row[2] for row in rows), default=0.0)}
 
 
@@ -269,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     report = export(model, image, args.output, args.format, args.export_method, reference)
     folded = ", norms folded" if args.fold else ""
     print(f"Exported {args.config_file} ({args.format}, {args.export_method}{folded}) to {report['file']}")
-    print(f"On the sample ({tuple(image.shape[1:])} px), the exported model against the trained PyTorch model:")
+    print("On the sample (H x W px) and on it turned a quarter, the exported model against the trained PyTorch model:")
     for name, difference, relative in report["outputs"]:
         print(f"  {name}: max |difference| {difference:.3g} ({relative:.3g} of its largest value)")
     return report

@@ -26,7 +26,7 @@ def test_switchable_norm_exports_as_built(flags, sample_image, tmp_path):
     config, weights = trained_files("SN", tmp_path)
     report = run_tool(config, weights, sample_image, tmp_path / "out", *flags)
     assert report["file"].endswith("model.onnx" if "onnx" in flags else "model.ts")
-    assert_agrees(report)
+    assert_agrees(report, traced="scripting" not in flags)
 
 
 def test_a_lazy_config_exports_with_its_init_checkpoint(tmp_path):

@@ -20,4 +20,4 @@ def test_every_norm_folded_exports_to_onnx_and_runs_in_onnxruntime(norm, sample_
     assert report["file"] == str(tmp_path / "out" / "model.onnx") and os.path.isfile(report["file"])
     assert_agrees(report)  # against the trained model as built: the fold and the export together
     out = capsys.readouterr().out
-    assert "(onnx, tracing, norms folded)" in out and "pred_boxes: max |difference|" in out
+    assert "(onnx, tracing, norms folded)" in out and "pred_boxes (64x85): max |difference|" in out

@@ -239,9 +239,12 @@ def test_the_tool_refuses_a_bad_value_before_writing_anything(tmp_path):
 
 def test_two_processes_with_sync_sn_equal_one_process_on_the_concatenated_batch(tiny_classification_set, tmp_path):
     """Each process reads its half of every batch, with the crops and flips of one process; SyncSN pools
-    the BN branch over both, and DDP averages the gradients. Three steps at a moderate learning rate:
-    beyond that the rounding of different reduction orders grows with training, as between thread counts."""
-    schedule = ["PRETRAIN.MAX_ITER", "3", "PRETRAIN.BASE_LR", "0.02", "PRETRAIN.CHECKPOINT_PERIOD", "100"]
+    the BN branch over both, and DDP averages the gradients. Two steps at a moderate learning rate (the
+    warm-up's): the two runs take different paths (one process SN's closed forms, two SyncSN's autograd
+    path, float32 rounding apart) and this tiny network (32 px, 1x1 maps at res5, 4 images) amplifies
+    rounding as it trains: the weights agree to 1e-6 after two steps, and one-ulp changes of either path have
+    moved them apart by 1e-3 at the third, the first at the full learning rate."""
+    schedule = ["PRETRAIN.MAX_ITER", "2", "PRETRAIN.BASE_LR", "0.02", "PRETRAIN.CHECKPOINT_PERIOD", "100"]
     run_tool(*tiny_pretraining(tiny_classification_set, tmp_path / "one", *schedule))
     output = run_tool(
         "--num-gpus",
@@ -255,7 +258,14 @@ def test_two_processes_with_sync_sn_equal_one_process_on_the_concatenated_batch(
     one, two = backbone_tensors(tmp_path / "one" / BACKBONE_FILE), backbone_tensors(tmp_path / "two" / BACKBONE_FILE)
     assert one.keys() == two.keys()
     for key in one:
-        torch.testing.assert_close(torch.as_tensor(two[key]), torch.as_tensor(one[key]), rtol=1e-4, atol=1e-5, msg=key)
+        got, expected = torch.as_tensor(two[key]), torch.as_tensor(one[key])
+        if "running" in key:
+            # the batch average's statistics come from forwards of the trained network: its rounding grows with
+            # the depth of the map (1.2e-4 of a tensor's largest value measured at res5) where the weights
+            # agree to 1e-6
+            assert (got - expected).abs().max() <= 1e-3 * expected.abs().max(), key
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=key)
 
 
 def test_any_image_folder_is_read(tmp_path):
