@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -60,11 +61,24 @@ class ChannelAffine(nn.Module):
         return cls(scale, shift)
 
     def forward(self, x: Tensor) -> Tensor:
-        scale, shift = self.scale.to(x.dtype), self.shift.to(x.dtype)
-        return torch.addcmul(shift.view(-1, 1, 1), x, scale.view(-1, 1, 1))
+        return channel_affine(x, self.scale, self.shift)
 
     def extra_repr(self) -> str:
         return f"{self.scale.numel()}"
+
+
+# BatchNorm's evaluation kernel as a per-channel affine: running variance 1 and an eps that changes nothing
+# (it rounds to 0 in float32 and vanishes against 1 in float64; torch refuses eps <= 0 in places)
+_NO_EPS = 1e-300
+
+
+def channel_affine(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
+    """x * scale + shift per channel of (N, C, ...) x, in x's dtype: BatchNorm's evaluation kernel (mean 0,
+    variance 1), one fused pass where a broadcast multiply-add takes twice as long on a CPU, and one operator
+    (BatchNormalization) in an exported graph."""
+    scale, shift = scale.to(x.dtype), shift.to(x.dtype)
+    zeros, ones = torch.zeros_like(scale), torch.ones_like(scale)
+    return F.batch_norm(x, zeros, ones, scale, shift, False, 0.0, _NO_EPS)
 
 
 class EvaluationForm(NamedTuple):

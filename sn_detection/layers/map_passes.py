@@ -205,6 +205,12 @@ def exporting() -> bool:
 _ILL_CONDITIONED = 10.0
 
 
+def plain_mean(x: Tensor) -> Tensor:
+    """The IN mean (N, C) of x in the statistics dtype, from one read of x (the float32 sum, a few units of its
+    last place from the exact mean)."""
+    return as_dtype(x, stat_dtype(x)).sum((2, 3)) / max(x.shape[2] * x.shape[3], 1)
+
+
 def plain_moments(x: Tensor, ill_conditioned: float = _ILL_CONDITIONED) -> tuple[Tensor, Tensor]:
     """The IN mean and biased variance (N, C) of x, in the statistics dtype, in plain tensor operations
     (TorchScript compiles it: the threshold is an argument because it reads no global float)."""

@@ -88,6 +88,8 @@ class ModeNorm2d(MomentNormalizer, RunningMoments):
     gate_parameters = ("gate.weight", "gate.bias")
     # Alg. 2 keeps E[x] and E[x^2] with momentum: the running variance is that mixture's (``running``)
     mixture_running_var = True
+    # Alg. 2: the running estimates and the gates, which read the means (``moment_normalizer``)
+    variance_in_evaluation = False
 
     def __init__(self, num_channels: int, *, num_modes: int = 2, eps: float = 1e-5, momentum: float | None = 0.1):
         super().__init__(num_channels, num_modes=num_modes, eps=eps, momentum=momentum)

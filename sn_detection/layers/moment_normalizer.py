@@ -83,11 +83,13 @@ from torch import Tensor
 
 from .base import NormBase
 from .map_passes import (
+    TorchPasses,
     as_dtype,
     centred_moments,
     exporting,
     kernel_path,
     passes_for,
+    plain_mean,
     plain_moments,
     plain_scale_shift,
     stat_dtype,
@@ -168,20 +170,28 @@ def affine_from_moments(weight: Tensor, bias: Tensor, offset: Tensor, var_eps: T
 AffineFromMoments = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
-def normalize_by_moments(x: Tensor, affine: AffineFromMoments, parameters: Sequence[Tensor]) -> Tensor:
+def normalize_by_moments(
+    x: Tensor, affine: AffineFromMoments, parameters: Sequence[Tensor], variance: bool = True
+) -> Tensor:
     """y = (x - mean_in) * scale + shift with (scale, shift) = affine(IN mean, IN variance of x), for any
     normalizer whose statistics derive from the IN statistics (SN, DN, MN, MGN, GN, ...).
 
     ``parameters`` are all the tensors ``affine`` differentiates with respect to (the module's
     parameters): they receive their gradients through this call. In training this is one autograd node
-    that saves only x and the (N, C) intermediate graph; without gradients it is plain tensor code.
-    ``reference_normalize_by_moments`` is the same computation in straightforward autograd.
+    that saves only x and the (N, C) intermediate graph; without gradients it is plain tensor code, and
+    with ``variance`` False (an ``affine`` that reads no variance: MN in evaluation) on the PyTorch path
+    it reads x once for the means alone, and the variance it passes is 0. ``reference_normalize_by_moments``
+    is the same computation in straightforward autograd.
     """
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in parameters)):
         return _NormalizeByMoments.apply(x, affine, *parameters)
     with torch.no_grad():
         over = passes_for(x)
-        mean_in, var_in = over.moments(x)
+        if variance or over is not TorchPasses:
+            mean_in, var_in = over.moments(x)
+        else:
+            mean_in = plain_mean(x)
+            var_in = torch.zeros_like(mean_in)
         scale, shift = _affine_in_stat_dtype(affine, mean_in, var_in)
         return over.scale_shift(x, over.block_of(scale, shift), over.block_of(mean_in))
 
@@ -200,6 +210,10 @@ class MomentNormalizer(NormBase):
     fused kernels where it has them (``fused_plan``); a frozen one normalizes as in evaluation (``base``).
     The path of a call is its plan (``base.NormBase.call_plan``): the fused kernels' plan, or None for the
     autograd path."""
+
+    # whether the layer's evaluation reads the IN variance (MN's does not: its statistics are the running ones,
+    # and its gates read the means)
+    variance_in_evaluation = True
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():  # plain operations, see plain_moments
@@ -220,7 +234,7 @@ class MomentNormalizer(NormBase):
         plan = self.call_plan(x)
         if plan is not None:
             return fused_normalize(self, plan, x, parameters, trainable)
-        return normalize_by_moments(x, self._affine(x), parameters)
+        return normalize_by_moments(x, self._affine(x), parameters, self.training or self.variance_in_evaluation)
 
     @torch.jit.unused
     def make_call_plan(self, x: Tensor) -> Optional["FusedPlan"]:
