@@ -14,18 +14,12 @@ import os
 
 import pytest
 import torch
-import triton
+
+from sn_detection.layers import DynamicNorm2d, dynamic_kernels
+from sn_detection.layers.launch_counts import count_training_step, recorded_kernels
+from sn_detection.layers.moment_normalizer import reference_normalize_by_moments
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
-if INTERPRET and int(triton.__version__.split(".")[0]) < 3:
-    pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
-
-from sn_detection.layers import DynamicNorm2d, dynamic_kernels  # noqa: E402  (after the skips)
-from sn_detection.layers.launch_counts import count_training_step, recorded_kernels  # noqa: E402
-from sn_detection.layers.moment_normalizer import reference_normalize_by_moments  # noqa: E402
-
 DEVICE = "cpu" if INTERPRET else "cuda"
 FP32 = 2e-5
 # y and grad_x are rounded once to the input's dtype; the rest is float32 in both computations

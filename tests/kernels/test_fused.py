@@ -12,18 +12,12 @@ import os
 
 import pytest
 import torch
-import triton
+
+from sn_detection.layers import build_norm, update_batch_average
+from sn_detection.layers.launch_counts import count_dispatch
+from sn_detection.layers.moment_normalizer import reference_normalize_by_moments
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
-if INTERPRET and int(triton.__version__.split(".")[0]) < 3:
-    pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
-
-from sn_detection.layers import build_norm, update_batch_average  # noqa: E402  (after the skips)
-from sn_detection.layers.launch_counts import count_dispatch  # noqa: E402
-from sn_detection.layers.moment_normalizer import reference_normalize_by_moments  # noqa: E402
-
 DEVICE = "cpu" if INTERPRET else "cuda"
 FORWARD_KERNEL = dict.fromkeys(["SN", "SyncSN", "SSN", "SyncSSN", "BNSR"], "triton:_forward_kernel")
 # (name, options): SN and SSN with and without their BN branch, BNSR at p = 1 (BatchNorm), above and below 1

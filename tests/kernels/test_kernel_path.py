@@ -12,17 +12,11 @@ import os
 
 import pytest
 import torch
-import triton
+
+from sn_detection.layers import build_norm, map_passes
+from sn_detection.layers.moment_normalizer import reference_normalize_by_moments
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
-if INTERPRET and int(triton.__version__.split(".")[0]) < 3:
-    pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
-
-from sn_detection.layers import build_norm, map_passes  # noqa: E402  (after the skips: needs TRITON_INTERPRET)
-from sn_detection.layers.moment_normalizer import reference_normalize_by_moments  # noqa: E402
-
 DEVICE = "cpu" if INTERPRET else "cuda"
 FAST_PATH_LAYERS = ["SN", "SyncSN", "DN", "MN", "MGN"]
 KERNELS = ("moments", "scale_shift", "centered_dot_and_sum", "grad_input")

@@ -4,10 +4,10 @@ Runs on a CUDA GPU, or on the CPU under Triton's interpreter in the kernel-test 
 
     TRITON_INTERPRET=1 $(tools/setup_kernel_env.sh) -m pytest tests/kernels -q
 
-Elsewhere the whole module is skipped: without Triton, on the CPU without TRITON_INTERPRET=1 (the
-reference stack's `pytest tests`), and under the interpreter of Triton < 3 (the reference stack's
-Triton 2.3.1, whose interpreter fails on a plain row reduction). Shapes are small: the interpreter runs
-every program in Python.
+Elsewhere the whole module is skipped (tests/kernels/conftest.py): without Triton, on the CPU without
+TRITON_INTERPRET=1 (the reference stack's `pytest tests`), and under the interpreter of Triton < 3 (the
+reference stack's Triton 2.3.1, whose interpreter fails on a plain row reduction). Shapes are small: the
+interpreter runs every program in Python.
 """
 
 import os
@@ -17,17 +17,11 @@ import textwrap
 
 import pytest
 import torch
-import triton
+
+from sn_detection.layers import kernel_launch
+from sn_detection.layers.map_passes import TritonPasses
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
-if INTERPRET and int(triton.__version__.split(".")[0]) < 3:
-    pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
-
-from sn_detection.layers import kernel_launch  # noqa: E402  (after the skips: needs TRITON_INTERPRET)
-from sn_detection.layers.map_passes import TritonPasses  # noqa: E402
-
 DEVICE = "cpu" if INTERPRET else "cuda"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LAYOUTS = [torch.contiguous_format, torch.channels_last]

@@ -16,18 +16,12 @@ import os
 
 import pytest
 import torch
-import triton
+
+from sn_detection.layers import build_norm, map_passes, mode_kernels
+from sn_detection.layers.launch_counts import count_training_step, recorded_kernels
+from sn_detection.layers.moment_normalizer import reference_normalize_by_moments
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
-if INTERPRET and int(triton.__version__.split(".")[0]) < 3:
-    pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
-
-from sn_detection.layers import build_norm, map_passes, mode_kernels  # noqa: E402  (after the skips)
-from sn_detection.layers.launch_counts import count_training_step, recorded_kernels  # noqa: E402
-from sn_detection.layers.moment_normalizer import reference_normalize_by_moments  # noqa: E402
-
 DEVICE = "cpu" if INTERPRET else "cuda"
 KERNELS = {"MN": ("_mn_forward_kernel", "_mn_backward_kernel"), "MGN": ("_mgn_forward_kernel", "_mgn_backward_kernel")}
 # largest error, relative to the largest value each compared tensor (or the terms it sums) reaches

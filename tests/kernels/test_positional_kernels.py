@@ -12,17 +12,11 @@ import os
 
 import pytest
 import torch
-import triton
+
+from sn_detection.layers import build_norm
+from sn_detection.layers.launch_counts import count_dispatch, count_training_step
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
-if INTERPRET and int(triton.__version__.split(".")[0]) < 3:
-    pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
-
-from sn_detection.layers import build_norm  # noqa: E402  (after the skips)
-from sn_detection.layers.launch_counts import count_dispatch, count_training_step  # noqa: E402
-
 DEVICE = "cpu" if INTERPRET else "cuda"
 NCHW, CHANNELS_LAST = torch.contiguous_format, torch.channels_last
 LAYOUTS = pytest.mark.parametrize("layout", [NCHW, CHANNELS_LAST], ids=["nchw", "channels_last"])

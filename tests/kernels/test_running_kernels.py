@@ -13,18 +13,12 @@ from unittest import mock
 
 import pytest
 import torch
-import triton
+
+from sn_detection.layers import build_norm, switchable, switchable_kernels
+from sn_detection.layers.launch_counts import recorded_kernels
+from sn_detection.layers.moment_normalizer import reference_normalize_by_moments
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
-if INTERPRET and int(triton.__version__.split(".")[0]) < 3:
-    pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run these kernels", allow_module_level=True)
-
-from sn_detection.layers import build_norm, switchable, switchable_kernels  # noqa: E402  (after the skips)
-from sn_detection.layers.launch_counts import recorded_kernels  # noqa: E402
-from sn_detection.layers.moment_normalizer import reference_normalize_by_moments  # noqa: E402
-
 DEVICE = "cpu" if INTERPRET else "cuda"
 # the kernel that moves each layer's running statistics; (N, C, H, W) with several programs in it
 RUNNING_KERNEL = {
