@@ -5,7 +5,7 @@ three)", docs/layers.md's counts of the fused path, and the table of docs/benchm
 import os
 import re
 
-from sn_detection.layers.launch_counts import KERNEL_PATH_COUNTS
+from sn_detection.benchmarks.launch_counts import KERNEL_PATH_COUNTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9}

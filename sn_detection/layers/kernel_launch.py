@@ -5,8 +5,9 @@
 all:
 
 - ``observed_launches(observer)``: every launch within the block runs inside ``observer(kernel, args, meta)``,
-  a context manager factory (``launch_counts`` counts kernels and leaves out the interpreter's own ATen work
-  with one; the compile test records signatures). Blocks nest: every observer entered sees every launch.
+  a context manager factory (``sn_detection.benchmarks.launch_counts`` counts kernels and leaves out the
+  interpreter's own ATen work with one; the compile test records signatures). Blocks nest: every observer
+  entered sees every launch.
 - ``skipped_launches()``: within the block no kernel runs and no observer sees one; the kernels' outputs keep
   whatever their memory held. It times the host's work around the kernels (``tools/count_launches.py
   --host-time``).

@@ -15,8 +15,8 @@ import os
 import pytest
 import torch
 
+from sn_detection.benchmarks.launch_counts import count_training_step, recorded_kernels
 from sn_detection.layers import DynamicNorm2d, dynamic_kernels
-from sn_detection.layers.launch_counts import count_training_step, recorded_kernels
 from sn_detection.layers.moment_normalizer import reference_normalize_by_moments
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

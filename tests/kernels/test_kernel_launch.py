@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 from stand_in_gpu import stand_in_jit
 
+from sn_detection.benchmarks.launch_counts import recorded_kernels
 from sn_detection.layers import NORM_NAMES, build_norm, kernel_launch
 from sn_detection.layers.kernel_launch import counts, launch_key, ordinary_launches
-from sn_detection.layers.launch_counts import recorded_kernels
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CUDA = torch.cuda.is_available() and not INTERPRET

@@ -43,7 +43,7 @@ TRAINING_STEPS = """
     import json
     import torch
     from sn_detection.layers import NORM_NAMES, build_norm, map_passes
-    from sn_detection.layers.launch_counts import count_training_step
+    from sn_detection.benchmarks.launch_counts import count_training_step
 
     device = "{device}"
     results = {{}}

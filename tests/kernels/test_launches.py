@@ -13,13 +13,13 @@ import os
 import pytest
 import torch
 
-from sn_detection.layers import NORM_NAMES, build_norm
-from sn_detection.layers.launch_counts import (
+from sn_detection.benchmarks.launch_counts import (
     KERNEL_PATH_COUNTS,
     count_dispatch,
     count_training_step,
     triton_launches,
 )
+from sn_detection.layers import NORM_NAMES, build_norm
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"

@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
+from sn_detection.benchmarks.launch_counts import count_dispatch, count_training_step
 from sn_detection.layers import build_norm
-from sn_detection.layers.launch_counts import count_dispatch, count_training_step
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"

@@ -14,8 +14,8 @@ from unittest import mock
 import pytest
 import torch
 
+from sn_detection.benchmarks.launch_counts import recorded_kernels
 from sn_detection.layers import build_norm, switchable, switchable_kernels
-from sn_detection.layers.launch_counts import recorded_kernels
 from sn_detection.layers.moment_normalizer import reference_normalize_by_moments
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -15,8 +15,8 @@ import os
 import pytest
 import torch
 
+from sn_detection.benchmarks.launch_counts import count_dispatch, count_training_step
 from sn_detection.layers import build_norm
-from sn_detection.layers.launch_counts import count_dispatch, count_training_step
 from sn_detection.layers.moment_normalizer import fused_normalize, reference_normalize_by_moments
 from sn_detection.layers.switchable_kernels import SwitchableClosedForms, SwitchableKernels
 

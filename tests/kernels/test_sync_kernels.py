@@ -16,13 +16,13 @@ if os.environ.get("TRITON_INTERPRET", "0") != "1":
 
 from gloo_processes import run_processes
 
+from sn_detection.benchmarks.launch_counts import recorded_kernels
 from sn_detection.layers import (
     SparseSwitchableNorm2d,
     SwitchableNorm2d,
     SyncSparseSwitchableNorm2d,
     SyncSwitchableNorm2d,
 )
-from sn_detection.layers.launch_counts import recorded_kernels
 
 CHANNELS = 6
 WORLD_SIZE = 2

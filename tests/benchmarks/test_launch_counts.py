@@ -2,8 +2,8 @@
 
 import torch
 
+from sn_detection.benchmarks.launch_counts import count_dispatch, count_training_step, recorded_kernels
 from sn_detection.layers import build_norm, kernel_launch
-from sn_detection.layers.launch_counts import count_dispatch, count_training_step, recorded_kernels
 
 
 def test_views_and_allocations_are_no_launches():
