@@ -6,7 +6,7 @@ read it. Printed for every layer with kernels by
 The step (forward, then backward of a given upstream gradient, the parameters' gradients set to None first)
 runs on the kernel path, CPU tensors under Triton's interpreter (on CUDA autograd would run the backward in
 a thread of its own, which the hook below does not see), with its Triton launches skipped
-(``layers.kernel_launch.skipped_launches``), after a first step that made the layer's call plan, as every
+(``layers.kernels.skipped_launches``), after a first step that made the layer's call plan, as every
 step after the first does. Python's profiler hook (``sys.setprofile``) records each call of a function of the
 model package, ``sn_detection/layers``, in order: its file and its name (a comprehension or a generator
 expression is a call of its own, as Python runs it). Per direction, the forward (the layer's call) and the
@@ -32,8 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import NORM_NAMES, build_norm
-from ..layers.kernel_launch import skipped_launches
-from ..layers.map_passes import kernel_path
+from ..layers.kernels import kernel_path, skipped_launches
 
 _GENERATOR = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 LAYERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "layers")

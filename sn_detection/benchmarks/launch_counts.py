@@ -8,7 +8,7 @@ beside torch's GroupNorm and BatchNorm:
 On a GPU each kernel launch costs microseconds of host time whatever it computes, so a layer made of many
 small operations is bound by its launches, not by its arithmetic. The launches can be counted without a GPU:
 every ATen operation reaches the dispatcher, where a ``TorchDispatchMode`` sees it, and every Triton kernel of
-the layers is launched through ``layers.kernel_launch.launch``, where ``kernel_launch.observed_launches`` sees
+the layers is launched through ``layers.kernels.launch``, where ``kernels.observed_launches`` sees
 it. Counted:
 
 - ``launches``: ATen operations that compute something (each is at least one kernel on a GPU) plus Triton
@@ -30,7 +30,7 @@ tests/kernels/test_launches.py holds the code to exactly and tests/test_document
 
 ``--host-time`` also times each layer's training step and evaluation forward on the kernel path (a CUDA
 device, or the interpreter as in the second line) with its Triton launches skipped
-(``kernel_launch.skipped_launches``): the host's work around the kernels (its Python and ATen calls), beside
+(``kernels.skipped_launches``): the host's work around the kernels (its Python and ATen calls), beside
 torch's GroupNorm(32) (``host_times``). On a GPU a layer whose kernels take less time than this is bound by
 it.
 """
@@ -53,8 +53,8 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine.arguments import create_folder_of, output_file, positive_int
-from ..layers import NORM_NAMES, build_norm, map_passes
-from ..layers.kernel_launch import observed_launches, skipped_launches
+from ..layers import NORM_NAMES, build_norm, kernels
+from ..layers.kernels import observed_launches, skipped_launches
 from .baseline import baseline_layers, baseline_twin
 from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, range_text, ratio_to
 
@@ -191,7 +191,7 @@ def profiled_cuda_kernels(function: Callable[[], object]) -> int:
 def layer_counts(device: torch.device, shape=(2, 256, 6, 6)) -> list[dict]:
     """Per layer (torch's GroupNorm(32) and BatchNorm2d, then every name of ``build_norm``): the counts of a
     training step and of an inference forward (without gradients, in evaluation mode) on ``shape``, and
-    whether the input takes the kernel path there (``map_passes.kernel_path``); on CUDA also the kernels the
+    whether the input takes the kernel path there (``kernels.kernel_path``); on CUDA also the kernels the
     profiler saw in a second training step."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=generator).to(device)
@@ -214,7 +214,7 @@ def layer_counts(device: torch.device, shape=(2, 256, 6, 6)) -> list[dict]:
                 "layer": label,
                 "device": device.type,
                 "shape": list(shape),
-                "kernel_path": map_passes.kernel_path(x),
+                "kernel_path": kernels.kernel_path(x),
                 "train_launches": train.launches,
                 "train_allocations": train.allocations,
                 "train_syncs": train.syncs,
@@ -230,7 +230,7 @@ def layer_counts(device: torch.device, shape=(2, 256, 6, 6)) -> list[dict]:
 def host_times(device: torch.device, rounds: int, shape=(2, 256, 6, 6), steps: int = 100, baseline=None) -> dict:
     """Per layer (torch's GroupNorm(32), then every name of ``build_norm``): seconds of one training forward +
     backward (gradients set to None first, ``"train"``) and of one evaluation forward without gradients
-    (``"eval"``), averaged over ``steps``, with the Triton launches skipped (``kernel_launch.skipped_launches``;
+    (``"eval"``), averaged over ``steps``, with the Triton launches skipped (``kernels.skipped_launches``;
     torch's GroupNorm runs whole), as ``timing.ratio_to`` summarises ``rounds`` interleaved rounds, on one
     intra-op thread. On the CPU the seconds are this process's CPU time, the host's work whatever else the
     machine runs; on CUDA wall time with the device synchronised around each round's steps. What the layers
@@ -290,9 +290,9 @@ def host_times(device: torch.device, rounds: int, shape=(2, 256, 6, 6), steps: i
 
 
 def _baseline_skipped_launches(package):
-    """The baseline package's own ``skipped_launches`` context: in its ``kernel_launch`` module, or in its
+    """The baseline package's own ``skipped_launches`` context: in its ``kernels`` module, or in its
     ``launches`` module in commits before that existed."""
-    for module in ("kernel_launch", "launches"):
+    for module in ("kernels", "kernel_launch", "launches"):
         try:
             return importlib.import_module(f"{package.__name__}.{module}").skipped_launches()
         except (ImportError, AttributeError):
@@ -333,7 +333,7 @@ def main(argv: Sequence[str] | None = None):
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.host_time and not map_passes.kernel_path(torch.empty(1, 1, 1, 1, device=device)):
+    if args.host_time and not kernels.kernel_path(torch.empty(1, 1, 1, 1, device=device)):
         parser.error(
             f"--host-time needs the kernel path, which {device.type} tensors do not take here: "
             "a CUDA device, or the CPU with TRITON_INTERPRET=1 in the kernel-test environment"

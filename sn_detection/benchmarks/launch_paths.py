@@ -1,4 +1,4 @@
-"""What launching the compiled kernels directly saves (``layers.kernel_launch``): each learned layer's training
+"""What launching the compiled kernels directly saves (``layers.kernels``): each learned layer's training
 step (forward + backward, gradients set to None first) through Triton's ordinary launch path and through the
 direct one, side by side, with their ratio. CUDA only: elsewhere there is no direct launch.
 
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from ..engine.arguments import create_folder_of, output_file, positive_int
-from ..layers import NORM_NAMES, build_norm, kernel_launch
+from ..layers import NORM_NAMES, build_norm, kernels
 from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, range_text, ratio_to
 
 PATHS = ("ordinary", "direct")
@@ -48,12 +48,12 @@ def launch_path_times(
                 layer(x).backward(grad_y)
 
         if path == "ordinary":
-            with kernel_launch.ordinary_launches():
+            with kernels.ordinary_launches():
                 return device_seconds(run, x.device) / steps
-        direct, ordinary = kernel_launch.counts.direct, kernel_launch.counts.ordinary
+        direct, ordinary = kernels.counts.direct, kernels.counts.ordinary
         seconds = device_seconds(run, x.device) / steps
-        direct_launches[name] += kernel_launch.counts.direct - direct
-        all_launches[name] += kernel_launch.counts.direct - direct + kernel_launch.counts.ordinary - ordinary
+        direct_launches[name] += kernels.counts.direct - direct
+        all_launches[name] += kernels.counts.direct - direct + kernels.counts.ordinary - ordinary
         return seconds
 
     candidates = {(name, path): (name, path) for name in names for path in PATHS}
@@ -90,13 +90,12 @@ def main(argv: Sequence[str] | None = None):
         shape = []
     if len(shape) != 4 or min(shape) < 1:
         parser.error(f"--shape {args.shape!r}: four sizes >= 1, N,C,H,W")
-    if not torch.cuda.is_available() or not kernel_launch.available() or kernel_launch.interpreting():
+    if not torch.cuda.is_available() or not kernels.available() or kernels.interpreting():
         parser.error("the direct launch needs a CUDA device and Triton, without TRITON_INTERPRET=1")
-    if not kernel_launch.version_supported():
-        versions = ", ".join(kernel_launch.TRITON_VERSIONS)
+    if not kernels.version_supported():
+        versions = ", ".join(kernels.TRITON_VERSIONS)
         parser.error(
-            f"Triton {kernel_launch.triton.__version__} is none of {versions}: every launch takes the "
-            "ordinary path here"
+            f"Triton {kernels.triton.__version__} is none of {versions}: every launch takes the ordinary path here"
         )
     results = launch_path_times(names, shape, args.rounds)
     print(

@@ -1,7 +1,8 @@
 """The one base of every layer of this package, as torch's ``_NormBase`` is for its BatchNorms: ``NormBase``
-owns what every layer does alike, and its extensions add what only some do (``running.RunningMoments``:
-running statistics and the batch average; ``moment_normalizer.MomentNormalizer``: the forward of the layers
-whose statistics derive from the IN moments).
+owns what every layer does alike, the forward's skeleton included, and its extensions add what only some do
+(``running.RunningMoments``: running statistics and the batch average;
+``moment_normalizer.MomentNormalizer``: the PyTorch path of the layers whose statistics derive from the IN
+moments).
 
 Construction. A layer takes the channel count first and its options as keyword-only parameters, and lists
 the rules of their values in ``option_rules`` (``options``); its constructor passes the channel count and
@@ -36,9 +37,9 @@ themselves, keeping their class, parameters, buffers and state-dict keys:
 - a layer is ``frozen`` when none of its parameters requires a gradient, which is exactly how
   detectron2's ``ResNet.freeze`` (``MODEL.BACKBONE.FREEZE_AT``, ``freeze_at`` in a LazyConfig) marks a
   frozen stage; ``freeze()`` does the same by hand;
-- a frozen layer stays in evaluation mode, also when ``train()`` is called on it or on a parent, and the
-  forward of a layer whose training-mode output depends on the batch (SN, SyncSN, DN, MN, MGN, BNSR)
-  first puts it there (for a model trained without ever calling ``train()``): the batch-dependent
+- a frozen layer stays in evaluation mode, also when ``train()`` is called on it or on a parent, and its
+  forward first puts it there (for a model trained without ever calling ``train()``); for a layer whose
+  training-mode output depends on the batch (SN, SyncSN, DN, MN, MGN, BNSR) the batch-dependent
   statistics (SN's BN branch, DN's batch pooling, MN's mode estimates, BNSR's moments) are the stored
   running ones and are not updated, while per-sample statistics (IN, LN, MN's gates, ...) still come
   from each sample, exactly as at test time. GN and PONO compute the same in both modes.
@@ -48,8 +49,21 @@ Freezing is derived, never stored: every entry point that builds a model with fr
 ours after the build. A frozen layer takes no part in a batch average either (in evaluation mode it
 records nothing). Under TorchScript a scripted layer follows the mode it was scripted in.
 
-Call plans. What a layer's forward decides about its input (its path: kernels, closed forms or autograd;
-tiles, grids and the kernels' constants) depends on the input's shape, dtype, device and strides, on the
+The forward. Every layer but GN (torch's group norm) runs one skeleton, ``NormBase.forward``:
+
+- under TorchScript, ``scripted_forward``: the paper's formula in plain tensor operations (``plain_forward``);
+- otherwise a frozen layer is put in evaluation mode (above); while an exporter records the call
+  (``exporting``), ``exported_forward``: plain tensor operations again;
+- otherwise the call's plan: a layer's kernels for inputs like x (``fused.FusedPlan``), run as one autograd
+  node (``fused.fused_normalize``), or None, and the layer's PyTorch path, ``autograd_forward``.
+
+A layer says what it is through its ``plain_forward`` (the paper's formula, written once: for the layers built
+on IN moments, their ``scale_and_shift``), ``make_call_plan`` and, where its PyTorch path or its exported form
+is faster than the plain formula, ``autograd_forward`` and ``exported_forward``; the skeleton is written once,
+here.
+
+Call plans. What a layer's forward decides about its input (its path: kernels or autograd; tiles, grids and
+the kernels' constants) depends on the input's shape, dtype, device and strides, on the
 training mode, and on little else; so it is decided on the first call with such an input and kept for the
 next ones (``call_plan``), which then skip the checks and the arithmetic: on a GPU a layer's host time is
 its step time. The plans hold no tensor. A layer keeps the plans of its ``_MAX_CALL_PLANS`` latest input
@@ -68,7 +82,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from . import map_passes
+from . import kernels
+from .fused import fused_normalize
 from .inference import EvaluationForm
 from .options import Rule, check_num_channels, check_options
 
@@ -134,6 +149,64 @@ class NormBase(nn.Module):
         already evaluate as one moments pass and one affine pass; layers that reduce to less say so."""
         return EvaluationForm(None, self)
 
+    # the forward ----------------------------------------------------------------------------------------
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The layer's output (module docstring, "The forward"): under TorchScript ``scripted_forward``; else, a
+        frozen layer in evaluation mode first, ``exported_forward`` while an exporter records (``exporting``),
+        and otherwise the path of the call's plan: the plan's kernels (``fused.fused_normalize``), or without a
+        plan ``autograd_forward``."""
+        if torch.jit.is_scripting():
+            return self.scripted_forward(x)
+        return self._forward(x)
+
+    @torch.jit.unused
+    def _forward(self, x: Tensor) -> Tensor:
+        parameters = self.parameter_tuple()
+        trainable = False
+        for parameter in parameters:
+            if parameter.requires_grad:
+                trainable = True
+                break
+        if self.training and not trainable:  # frozen (module docstring)
+            self.train(False)
+        if exporting():
+            return self.exported_forward(x)
+        plan = self.call_plan(x)
+        if plan is None:
+            return self.autograd_forward(x, parameters)
+        return fused_normalize(self, plan, x, parameters, trainable)
+
+    def plain_forward(self, x: Tensor) -> Tensor:
+        """The paper's formula in plain tensor operations, differentiable, in the statistics dtype: by default
+        the layer's PyTorch path, its TorchScript and exported forms and what a double backward replays, and the
+        oracle its kernels are tested against; layers with a forward define it."""
+        raise NotImplementedError(f"{type(self).__name__} has no forward")
+
+    def scripted_forward(self, x: Tensor) -> Tensor:
+        """What TorchScript compiles: the checked input's ``plain_forward``."""
+        check_input(x, self.num_channels)
+        return self.plain_forward(x)
+
+    @torch.jit.unused
+    def exported_forward(self, x: Tensor) -> Tensor:
+        """The layer as exporters record it (``exporting``): plain tensor operations, no autograd Function, no
+        call plan, no branch on a tensor's values; by default ``scripted_forward``."""
+        return self.scripted_forward(x)
+
+    @torch.jit.unused
+    def autograd_forward(self, x: Tensor, parameters: tuple[Tensor, ...]) -> Tensor:
+        """The layer's PyTorch path, differentiated by autograd, for the calls its plan leaves to it (None), with
+        its ``parameters`` (``parameter_tuple()``); by default ``plain_forward``."""
+        return self.plain_forward(x)
+
+    @torch.jit.unused
+    def replayed_forward(self, x: Tensor) -> Tensor:
+        """The layer in plain differentiable operations, recording no statistics (``fused.replaying``): what a
+        backward under create_graph differentiates (``fused.replayed_gradients``); by default
+        ``plain_forward``."""
+        return self.plain_forward(x)
+
     # identity -------------------------------------------------------------------------------------------
 
     def norm_identity(self) -> str:
@@ -174,7 +247,7 @@ class NormBase(nn.Module):
         """The plan of this layer for inputs like ``x`` (module docstring): ``make_call_plan(x)``'s on the
         first call with x's shape, dtype, device, strides, training mode and ``plan_context()``, kept for
         the next ones. The first plan for a CUDA tensor without Triton 3 warns
-        (``map_passes.warn_if_kernels_off``)."""
+        (``kernels.warn_if_kernels_off``)."""
         key = (x.shape, x.dtype, x.device, x.stride(), self.training, self.plan_context())
         plans = self.__dict__.get(_PLANS)
         if plans is None:
@@ -184,7 +257,7 @@ class NormBase(nn.Module):
         except KeyError:
             pass
         plan = self.make_call_plan(x)  # may raise (bad input): nothing is kept then
-        map_passes.warn_if_kernels_off(x)  # here, on a new signature, rather than on every call
+        kernels.warn_if_kernels_off(x)  # here, on a new signature, rather than on every call
         if len(plans) >= _MAX_CALL_PLANS:
             del plans[next(iter(plans))]  # the oldest
         plans[key] = plan
@@ -247,6 +320,23 @@ class NormBase(nn.Module):
 
     def train(self, mode: bool = True) -> nn.Module:
         return super().train(mode and not self.frozen)
+
+
+@torch.jit.unused  # never reached under TorchScript: callers test torch.jit.is_scripting() first
+def exporting():  # (no annotation: this module's are strings, which TorchScript does not resolve here)
+    """Whether an exporter is recording the call: ``torch.jit.trace`` (and so the TorchScript-based
+    ``torch.onnx.export``), the ONNX exporter, or torch.compile / ``torch.export`` (dynamo or the non-strict
+    tracer). The layers then take their plain path (``NormBase.exported_forward``): tensor operations only, no
+    autograd Function, no call plan, no branch on a tensor's values, so that what is recorded is what runs."""
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling()
+
+
+def check_input(x: Tensor, num_channels: int) -> None:
+    """Every layer takes floating-point (N, C, H, W) input with its C channels."""
+    if x.dim() != 4 or x.shape[1] != num_channels:
+        raise ValueError(f"expected input of shape (N, {num_channels}, H, W), got {list(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"expected floating-point input, got {x.dtype}")
 
 
 def _decode(state) -> str:

@@ -72,11 +72,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from . import map_passes
 from .dynamic_kernels import DynamicKernels
 from .group import GroupNorm2d
 from .inference import ChannelAffine, EvaluationForm
-from .moment_normalizer import MomentNormalizer, affine_from_moments, per_channel
+from .kernels import kernel_path
+from .map_passes import per_channel
+from .moment_normalizer import MomentNormalizer, affine_from_moments
 from .options import BOOLEAN, MOMENTUM, POSITIVE, POSITIVE_INT, Rule
 from .running import RunningMoments, group_sums, moments_from_sums
 
@@ -279,7 +280,7 @@ class DynamicNorm2d(MomentNormalizer, RunningMoments):
 
     @torch.jit.unused
     def fused_plan(self, x: Tensor) -> DynamicKernels | None:
-        if self._batch_average is not None or not map_passes.kernel_path(x):  # the batch average pools float64 sums
+        if self._batch_average is not None or not kernel_path(x):  # the batch average pools float64 sums
             return None
         return DynamicKernels(self, x) if DynamicKernels.applies(self, x) else None
 

@@ -71,7 +71,7 @@ channel, so:
   each state (O_j, V_j) to a scratch plane in global memory and reading a channel's group members back
   after ``tl.debug_barrier()`` (a program reads only its own rows, and each level writes a new plane, so
   no read races a write), and writes scale, shift and, for the backward, Delta_j and X_j of every level.
-  Program 0 alone moves the running statistics (``running_kernels``).
+  Program 0 alone moves the running statistics (``kernels``' running update).
 - backward, launch 1, the same programs: the levels in reverse, the same scratch-plane scheme for A G',
   giving (G_M1, G_V1) after the batch level and each sample's share of every gate's gradient (N, L + 1).
 - backward, launch 2, one program per block of channels: the batch level's adjoint (its means over n of
@@ -86,13 +86,22 @@ to any C whose blocks, the largest (4 L + 6) * N * C float32 values, are indexed
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
-from .kernel_launch import cdiv, launch, next_pow2, tl, triton
-from .map_passes import TritonPasses
-from .moment_normalizer import written_in_place
-from .running_kernels import running_factor, store_running_moments
+from .kernels import (
+    TritonPasses,
+    cdiv,
+    launch,
+    next_pow2,
+    running_factor,
+    store_running_moments,
+    tl,
+    triton,
+    written_in_place,
+)
 
 _MAX_CHUNK = 1024  # channels of one tile of the per-sample kernels
 _TILE = 2048  # elements of one [BLOCK_N, BLOCK_C] tile
@@ -158,7 +167,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
-        # One program: BLOCK_N samples. The blocks (``map_passes``): moments (m, v), affine (scale, shift,
+        # One program: BLOCK_N samples. The blocks (``kernels``): moments (m, v), affine (scale, shift,
         # then the state planes). Planes of state_ptr, each (N, C): 0 Delta_b, 1 X_b; 2 + 2j, 3 + 2j the
         # state (O_j, V_j) before channel level j (j = L: the final one); 4 + 2L + 2j, 5 + 2L + 2j Delta_j,
         # X_j.
@@ -436,13 +445,15 @@ if triton is not None:
 
 
 class DynamicKernels:
-    """DN's fused (N, C) kernels for inputs of one signature (``moment_normalizer.FusedPlan``)."""
+    """DN's kernels for inputs of one signature (``fused.FusedPlan``): each direction one method, the full-size
+    passes of ``kernels.TritonPasses`` around the layer's (N, C) kernels."""
 
     def __init__(self, layer, x: Tensor):
         self.passes = TritonPasses(x)
         n, c, h, w = x.shape
         self.spatial = float(h * w)
         self.training = layer.training
+        self.running = operator.itemgetter("running_mean", "running_var", "num_batches_tracked")
         levels = self.num_levels = len(layer._gated_sizes)
         odd = layer._subaxis_shape[-1]
         # the per-sample kernels' tiles: [BLOCK_N samples of a program, BLOCK_C channels]
@@ -472,12 +483,16 @@ class DynamicKernels:
         planes = 4 * len(layer._gated_sizes) + 6
         return planes * n * c < 2**31
 
-    def forward(self, layer, parameters, moments: Tensor):
+    def forward(self, layer, x: Tensor, parameters, save: bool):
+        """moments -> the forward kernel (scale, shift, the levels' states, the running statistics) ->
+        scale_shift; saved: the moments block and the affine block."""
         weight, bias, channel_gates, batch_gate = parameters
-        n, c = self.passes.vector_shape
-        affine = self.passes.block(moments, 2, self.state_size)
+        passes = self.passes
+        n, c = passes.vector_shape
         gates = channel_gates if self.num_levels else batch_gate  # never read when there are none
-        running = layer.running_buffers()
+        running = self.running(layer._buffers)
+        moments = passes.moments(x, save)
+        affine = passes.block(moments, 2, self.state_size)
         launch(
             _forward_kernel,
             self.sample_grid,
@@ -486,16 +501,22 @@ class DynamicKernels:
         )
         if self.training:
             written_in_place(*running)
-        return affine, None
+        return passes.scale_shift(x, affine, moments), (moments, affine) if save else None
 
-    def backward(self, layer, parameters, moments: Tensor, affine: Tensor, saved, sums: Tensor):
-        _, _, channel_gates, batch_gate = parameters
-        n, c = self.passes.vector_shape
+    def backward(self, layer, grad_y: Tensor, x: Tensor, parameters, saved, needs_x: bool, needs_parameters):
+        """centered_dot_and_sum -> the levels' backward kernel -> the batch level's backward kernel (p, q and
+        every parameter's gradient) -> grad_input."""
+        moments, affine = saved
+        weight, bias, channel_gates, batch_gate = parameters
+        passes = self.passes
+        n, c = passes.vector_shape
         levels = self.num_levels
-        grads = [torch.empty_like(t) for t in parameters]
-        pq = self.passes.block(moments, 2, self.backward_size)
+        grads = [torch.empty_like(weight), torch.empty_like(bias), torch.empty_like(channel_gates)]
+        grads.append(torch.empty_like(batch_gate))
         gates = channel_gates if levels else batch_gate  # never read when there are none
         grad_gates = grads[2] if levels else grads[3]  # never written when there are none
+        sums = passes.centered_dot_and_sum(grad_y, x, moments)
+        pq = passes.block(moments, 2, self.backward_size)
         launch(
             _levels_backward_kernel, self.sample_grid, (sums, affine, gates, pq, n, c, layer.eps), self.levels_constants
         )
@@ -507,4 +528,4 @@ class DynamicKernels:
         )
         if not levels:  # no channel gate (C = 1): nothing uses the empty parameter, as autograd sees it
             grads[2] = None
-        return pq, grads
+        return passes.grad_input(grad_y, x, affine, pq, moments, True) if needs_x else None, grads

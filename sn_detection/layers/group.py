@@ -15,9 +15,8 @@ layer whose parameters were converted to fp16 or bf16.
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import NormBase
+from .base import NormBase, check_input
 from .map_passes import stat_dtype
-from .moment_normalizer import check_input
 from .options import POSITIVE, POSITIVE_INT
 
 

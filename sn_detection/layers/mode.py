@@ -62,8 +62,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import map_passes
 from .inference import ChannelAffine, EvaluationForm
+from .kernels import kernel_path
 from .mode_kernels import ModeGroupKernels, ModeKernels
 from .moment_normalizer import MomentNormalizer
 from .options import MOMENTUM, POSITIVE, POSITIVE_INT
@@ -159,7 +159,7 @@ class ModeNorm2d(MomentNormalizer, RunningMoments):
     def fused_plan(self, x: Tensor):
         """MN's fused kernels (``mode_kernels.ModeKernels``), or None: during a batch average (its sums pool
         in float64) and for more than ``mode_kernels.MAX_MODES`` modes."""
-        if self._batch_average is not None or not map_passes.kernel_path(x):
+        if self._batch_average is not None or not kernel_path(x):
             return None
         return ModeKernels.create(self, x, _MIN_MODE_WEIGHT)
 
@@ -210,7 +210,7 @@ class ModeGroupNorm2d(MomentNormalizer):
     def fused_plan(self, x: Tensor):
         """MGN's fused kernels (``mode_kernels.ModeGroupKernels``), or None for more than
         ``mode_kernels.MAX_MODES`` modes."""
-        return ModeGroupKernels.create(self, x) if map_passes.kernel_path(x) else None
+        return ModeGroupKernels.create(self, x) if kernel_path(x) else None
 
     @staticmethod
     def _sample_estimates(log_gates: Tensor, mean: Tensor, var: Tensor):

@@ -25,7 +25,7 @@ estimates. With r = (var + eps)^(-1/2), the per-sample mixture folds into
     scale_nc = gamma_c sum_k g_nk r_kc,   shift_nc = beta_c - gamma_c sum_k g_nk (mu_kc - m_nc) r_kc
 
 and training moves the running estimates of every mode with N_k > 0 (some gate positive) towards (t, V)
-by ``running``'s rule (mixture variance; ``running_kernels``), num_batches_tracked counting the batch if
+by ``running``'s rule (mixture variance; ``kernels``' running update), num_batches_tracked counting the batch if
 any mode moved.
 
 MN, backward. With E_nkc = D_nc - S_nc (mu_kc - m_nc) (what reaches r through both terms):
@@ -106,14 +106,22 @@ takes the autograd path).
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch import Tensor
 
-from .kernel_launch import cdiv, launch, next_pow2, tl, triton
-from .map_passes import TritonPasses
-from .moment_normalizer import written_in_place
-from .running_kernels import running_factor, store_running_moments
+from .kernels import (
+    TritonPasses,
+    cdiv,
+    launch,
+    next_pow2,
+    running_factor,
+    store_running_moments,
+    tl,
+    triton,
+    written_in_place,
+)
 
 MAX_MODES = 16
 _TILE = 4096  # elements of one [BLOCK_N, BLOCK_C, BLOCK_K] tile
@@ -203,7 +211,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
-        # The blocks (``map_passes``): moments (m, v), affine (scale, shift, stats). stats: log g (N, K), log N_k
+        # The blocks (``kernels``): moments (m, v), affine (scale, shift, stats). stats: log g (N, K), log N_k
         # (K), mu (K, C), var (K, C). Tiles [BLOCK_N, BLOCK_C, BLOCK_K]: the modes innermost; per-mode
         # statistics of the channels as [BLOCK_C, BLOCK_K]
         mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
@@ -532,7 +540,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
-        # The blocks (``map_passes``): moments (m, v), affine (scale, shift, stats). stats: mu (N, K), var (N, K),
+        # The blocks (``kernels``): moments (m, v), affine (scale, shift, stats). stats: mu (N, K), var (N, K),
         # L (N, K). Tiles [BLOCK_N, BLOCK_C, BLOCK_K]: the modes innermost
         mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
         scale_ptr, shift_ptr, stats_ptr = affine_ptr, affine_ptr + N * C, affine_ptr + 2 * N * C
@@ -714,7 +722,8 @@ def _blocks(n: int, c: int, k: int, max_block_n: int, max_block_c: int = _MAX_BL
 
 
 class ModeKernels:
-    """MN's fused (N, C) kernels for inputs of one signature (``moment_normalizer.FusedPlan``)."""
+    """MN's kernels for inputs of one signature (``fused.FusedPlan``): each direction one method, the full-size
+    passes of ``kernels.TritonPasses`` around the layer's (N, C) kernel."""
 
     def __init__(self, layer, x: Tensor, min_mode_weight: float):
         self.passes = TritonPasses(x)
@@ -724,6 +733,7 @@ class ModeKernels:
         self.batch_stats = layer.training
         self.log_min_weight = math.log(min_mode_weight)
         self.stats_size = n * k + k + 2 * k * c  # log g, log N_k, mu, var: what backward needs
+        self.running = operator.itemgetter("running_mean", "running_var", "num_batches_tracked")
         block_n, block_k, block_c = _blocks(n, c, k, 64)
         self.grid = (cdiv(c, block_c),)
         self.constants = dict(
@@ -738,10 +748,14 @@ class ModeKernels:
             return None
         return ModeKernels(layer, x, min_mode_weight)
 
-    def forward(self, layer, parameters, moments: Tensor):
-        n, c = self.passes.vector_shape
-        affine = self.passes.block(moments, 2, self.stats_size)
-        running = layer.running_buffers()
+    def forward(self, layer, x: Tensor, parameters, save: bool):
+        """moments -> the forward kernel (scale, shift, the modes' statistics, the running statistics) ->
+        scale_shift; saved: the moments block and the affine block."""
+        passes = self.passes
+        n, c = passes.vector_shape
+        running = self.running(layer._buffers)
+        moments = passes.moments(x, save)
+        affine = passes.block(moments, 2, self.stats_size)
         launch(
             _mn_forward_kernel,
             self.grid,
@@ -761,13 +775,18 @@ class ModeKernels:
         )
         if self.batch_stats:
             written_in_place(*running)
-        return affine, None
+        return passes.scale_shift(x, affine, moments), (moments, affine) if save else None
 
-    def backward(self, layer, parameters, moments: Tensor, affine: Tensor, saved, sums: Tensor):
-        weight, _, gate_weight, _ = parameters
-        n, c = self.passes.vector_shape
-        pq = self.passes.block(moments, 2)
-        grads = [torch.empty_like(t) for t in parameters]
+    def backward(self, layer, grad_y: Tensor, x: Tensor, parameters, saved, needs_x: bool, needs_parameters):
+        """centered_dot_and_sum -> the backward kernel (p, q and every parameter's gradient) -> grad_input."""
+        moments, affine = saved
+        weight, bias, gate_weight, gate_bias = parameters
+        passes = self.passes
+        n, c = passes.vector_shape
+        grads = [torch.empty_like(weight), torch.empty_like(bias), torch.empty_like(gate_weight)]
+        grads.append(torch.empty_like(gate_bias))
+        sums = passes.centered_dot_and_sum(grad_y, x, moments)
+        pq = passes.block(moments, 2)
         launch(
             _mn_backward_kernel,
             self.grid,
@@ -788,11 +807,12 @@ class ModeKernels:
             ),
             self.constants,
         )
-        return pq, grads
+        return passes.grad_input(grad_y, x, affine, pq, moments, True) if needs_x else None, grads
 
 
 class ModeGroupKernels:
-    """MGN's fused (N, C) kernels for inputs of one signature (``moment_normalizer.FusedPlan``)."""
+    """MGN's kernels for inputs of one signature (``fused.FusedPlan``): each direction one method, the
+    full-size passes of ``kernels.TritonPasses`` around the layer's (N, C) kernel."""
 
     def __init__(self, layer, x: Tensor):
         self.passes = TritonPasses(x)
@@ -814,22 +834,31 @@ class ModeGroupKernels:
             return None
         return ModeGroupKernels(layer, x)
 
-    def forward(self, layer, parameters, moments: Tensor):
-        n, c = self.passes.vector_shape
-        affine = self.passes.block(moments, 2, self.stats_size)
+    def forward(self, layer, x: Tensor, parameters, save: bool):
+        """moments -> the forward kernel (scale, shift and the modes' statistics) -> scale_shift; saved: the
+        moments block and the affine block."""
+        passes = self.passes
+        n, c = passes.vector_shape
+        moments = passes.moments(x, save)
+        affine = passes.block(moments, 2, self.stats_size)
         launch(
             _mgn_forward_kernel,
             self.forward_grid,
             (moments, *parameters, affine, n, c, layer.num_modes, layer.eps),
             self.forward_constants,
         )
-        return affine, None
+        return passes.scale_shift(x, affine, moments), (moments, affine) if save else None
 
-    def backward(self, layer, parameters, moments: Tensor, affine: Tensor, saved, sums: Tensor):
-        weight, _, gate_weight, gate_bias = parameters
-        n, c = self.passes.vector_shape
-        pq = self.passes.block(moments, 2)
-        grads = [torch.empty_like(t) for t in parameters]
+    def backward(self, layer, grad_y: Tensor, x: Tensor, parameters, saved, needs_x: bool, needs_parameters):
+        """centered_dot_and_sum -> the backward kernel (p, q and every parameter's gradient) -> grad_input."""
+        moments, affine = saved
+        weight, bias, gate_weight, gate_bias = parameters
+        passes = self.passes
+        n, c = passes.vector_shape
+        grads = [torch.empty_like(weight), torch.empty_like(bias), torch.empty_like(gate_weight)]
+        grads.append(torch.empty_like(gate_bias))
+        sums = passes.centered_dot_and_sum(grad_y, x, moments)
+        pq = passes.block(moments, 2)
         launch(
             _mgn_backward_kernel,
             self.backward_grid,
@@ -850,4 +879,4 @@ class ModeGroupKernels:
             ),
             self.backward_constants,
         )
-        return pq, grads
+        return passes.grad_input(grad_y, x, affine, pq, moments, True) if needs_x else None, grads

@@ -1,7 +1,6 @@
-"""The forward of the layers whose statistics derive from the instance-norm moments (SN, SyncSN, DN, MN, MGN):
-``MomentNormalizer`` and its two paths, the fused one (``FusedPlan``) and the autograd one
-(``normalize_by_moments``), with the pieces the other layers share (``check_input``, ``instance_moments``,
-``scale_shift``, ``replayed_gradients``, ``written_in_place``).
+"""The layers whose statistics derive from the instance-norm moments (SN, SyncSN, SSN, DN, MN, MGN):
+``MomentNormalizer``, their PyTorch path (``normalize_by_moments``) and the pieces BNSR's shares
+(``instance_moments``, ``scale_shift``).
 
 Per-(n, c) statistics: computed once, derived into LN / BN statistics, applied as one scale and shift.
 Switchable Normalization (Luo et al., Eq. 5) observes that every statistic it mixes can be derived from
@@ -12,12 +11,14 @@ the instance-norm moments of each (sample, channel) over H*W:
 
 so the (N, C, H, W) tensor is only read for the moments and once more for the elementwise output, with a
 per-(n, c) ``scale`` and ``shift`` folding the normalization and the affine; everything in between works
-on (N, C) summaries. The same holds for DN, MN and MGN. The full-size passes themselves, in PyTorch and
-as Triton kernels, are ``map_passes``.
+on (N, C) summaries. The same holds for DN, MN and MGN. A layer states this once, as its
+``scale_and_shift(mean_in, var_in, spatial_size) -> (scale, shift)`` in tensor operations: the paper's
+formulation, which is the layer's PyTorch path, its TorchScript and exported forms, and the oracle its
+kernels are tested against. The full-size passes are ``map_passes`` (PyTorch) and ``kernels`` (Triton).
 
 Numerics: fp32 as accurate as torch's BatchNorm whatever a channel's mean-to-spread ratio.
 
-- IN moments: accurate whatever the ratio (``map_passes``).
+- IN moments: accurate whatever the ratio (``map_passes``, ``kernels``).
 - Derived statistics never subtract large second moments: the LN variance is Eq. 5 written as the law
   of total variance, pooled BN statistics are float64 sums (``running.MomentSums``).
 - The output is centred at the IN mean: y = (x - mu_in) * scale + shift, where ``shift`` is computed
@@ -32,33 +33,29 @@ Choices the paper leaves open:
 - Statistics are computed in at least float32 whatever the input dtype (fp16 / bf16 inputs are upcast;
   the output has the input's dtype).
 
-The path of a call is the layer's plan for inputs like x (``base.NormBase.call_plan``): its ``fused_plan``,
-or None for the autograd path.
+The path of a call is the layer's plan for inputs like x (``base.NormBase.forward``): its kernels
+(``fused_plan``: the layer's kernel module, on the kernel path), or None, and the PyTorch path.
 
-The fused path. A layer with closed forms for x (``FusedPlan``, made by its kernel module:
-``switchable_kernels``, ``dynamic_kernels``, ``mode_kernels``) runs its (N, C) statistics and their
-gradients in closed form, between the four full-size passes (``fused_normalize``):
+The kernel path. A layer's kernel module (``switchable_kernels``, ``dynamic_kernels``, ``mode_kernels``)
+runs its (N, C) statistics and their gradients in closed form, between four full-size passes
+(``kernels.TritonPasses``), inside the one autograd node of ``fused``:
 
-    forward:   moments_and_residual(x) -> [mean, var, residual] -> one step: [scale, shift] (and the
-               running statistics) -> scale_shift(x)
-    backward:  centered_dot_and_sum(grad_y, x) -> [D, S] -> one step: [p, q] and every parameter's
+    forward:   moments(x) -> [mean, var, residual] -> one kernel: [scale, shift] (and the running
+               statistics) -> scale_shift(x)
+    backward:  centered_dot_and_sum(grad_y, x) -> [D, S] -> one kernel: [p, q] and every parameter's
                gradient -> grad_input(grad_y, x) at the exact mean, mean + residual
 
 where D = sum_HW grad_y (x - mean) and S = sum_HW grad_y per (n, c), each [...] one block of (N, C) rows
-(one allocation on the kernel path: ``map_passes``), and the closed forms are the derivatives of the
-layer's small (N, C) graph, written out by hand for each layer (its kernel module says how). On the kernel
-path (``map_passes.kernel_path``) the passes and the two steps are Triton kernels, six launches in all; SN
-also has its closed forms as tensor operations, which run everywhere else. Nothing on the kernel path
-reads a value on the host: a training step can be captured in a CUDA graph.
+(one allocation: ``kernels``), and the closed forms are the derivatives of the layer's small (N, C) graph,
+written out by hand for each layer (its kernel module says how). Six launches in all; nothing reads a value
+on the host: a training step can be captured in a CUDA graph.
 
-The autograd path (``normalize_by_moments``) runs a layer's (N, C) statistics (LN and BN moments,
-mixtures, running statistics) as separate tensor operations on the IN moments, differentiated by autograd
-through the layer's ``scale_and_shift``: many small operations per forward and backward, each a kernel
-launch on a GPU, which costs host time whatever it computes. It computes what the fused path computes and
-runs wherever no closed form applies:
+The PyTorch path (``normalize_by_moments``) runs a layer's ``scale_and_shift`` on the IN moments as tensor
+operations, differentiated by autograd: many small operations per forward and backward, each a kernel
+launch on a GPU, which costs host time whatever it computes. It runs wherever the kernels do not:
 
-- a layer without closed forms for the input (DN, MN, MGN off the kernel path; MN, MGN beyond their
-  largest mode count);
+- off the kernel path (the CPU, float64, other layouts);
+- MN, MGN beyond their largest mode count;
 - a running batch average (its sums pool in float64 on the host side of the layer);
 - SyncSN across several processes off the kernel path.
 
@@ -66,39 +63,40 @@ It is one autograd node that reads the activation for the moments, differentiate
 of ``affine`` with autograd, and writes grad_x once from the closed form of the paper's appendix (Eq. 9),
 where autograd's generic formulas would allocate several extra full-size temporaries
 (``_NormalizeByMoments``). ``reference_normalize_by_moments`` is the same computation in plain autograd,
-the oracle of the tests.
-
-Double backward (a gradient penalty: ``create_graph=True``) is exact on both paths: the closed-form
-backward passes are written for first derivatives, so with ``create_graph`` they compute the gradients
-again with plain differentiable operations, replaying the plain forward with the running statistics left
-alone (``replayed_gradients``, ``running.replaying``).
+the oracle of the tests, and what a backward under create_graph replays (``fused.replayed_gradients``).
 """
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Optional, Protocol
 
 import torch
 from torch import Tensor
 
-from .base import NormBase
+from .base import NormBase, check_input, exporting
+from .fused import FusedPlan, replayed_gradients
+from .kernels import TritonPasses, kernel_path
 from .map_passes import (
     TorchPasses,
     as_dtype,
     centred_moments,
-    exporting,
-    kernel_path,
-    passes_for,
     plain_mean,
     plain_moments,
     plain_scale_shift,
     stat_dtype,
 )
-from .running import replaying
+
+
+def passes_for(x: Tensor):
+    """The full-size passes over ``x`` for the PyTorch path: ``kernels.TritonPasses(x)`` on the kernel path
+    where autograd does not record them (the no-grad forms, the closed-form backward), else
+    ``map_passes.TorchPasses`` (under create_graph every pass is plain differentiable tensor code)."""
+    if not torch.is_grad_enabled() and kernel_path(x):
+        return TritonPasses(x)
+    return TorchPasses
 
 
 class _InstanceMoments(torch.autograd.Function):
-    """mean and biased variance of x over H*W, shapes (N, C), by the moments pass (``map_passes``); closed-form
+    """mean and biased variance of x over H*W, shapes (N, C), by the moments pass (``passes_for``); closed-form
     backward."""
 
     @staticmethod
@@ -119,15 +117,9 @@ class _InstanceMoments(torch.autograd.Function):
 def instance_moments(x: Tensor) -> tuple[Tensor, Tensor]:
     """IN statistics of an (N, C, H, W) tensor: mean and biased variance over H*W, each (N, C)."""
     if torch.jit.is_scripting() or exporting():
-        return plain_moments(x)
+        mean, var, _ = plain_moments(x)
+        return mean, var
     return _InstanceMoments.apply(x)
-
-
-def per_channel(vector: Tensor, like: Tensor) -> Tensor:
-    """A per-channel (C,) vector in the dtype of ``like`` and shaped to broadcast against it: per-(n, c)
-    statistics (N, C) as it is, (N, C, 1, 1) statistics or (N, C, H, W) maps as (C, 1, 1)."""
-    vector = as_dtype(vector, like.dtype)
-    return vector if like.dim() == 2 else vector.view(-1, 1, 1)
 
 
 class _ScaleShift(torch.autograd.Function):
@@ -196,48 +188,30 @@ def normalize_by_moments(
         return over.scale_shift(x, over.block_of(scale, shift), over.block_of(mean_in))
 
 
-def check_input(x: Tensor, num_channels: int) -> None:
-    """Every layer takes floating-point (N, C, H, W) input with its C channels."""
-    if x.dim() != 4 or x.shape[1] != num_channels:
-        raise ValueError(f"expected input of shape (N, {num_channels}, H, W), got {list(x.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"expected floating-point input, got {x.dtype}")
-
-
 class MomentNormalizer(NormBase):
-    """A norm layer whose output is ``normalize_by_moments`` with its own
-    ``scale_and_shift(mean_in, var_in, spatial_size) -> (scale, shift)`` (centred at mean_in), through its
-    fused kernels where it has them (``fused_plan``); a frozen one normalizes as in evaluation (``base``).
-    The path of a call is its plan (``base.NormBase.call_plan``): the fused kernels' plan, or None for the
-    autograd path."""
+    """A norm layer whose output is (x - mean_in) * scale + shift with its own
+    ``scale_and_shift(mean_in, var_in, spatial_size) -> (scale, shift)`` (centred at mean_in): through its
+    kernels where it has them (``fused_plan``), else ``normalize_by_moments`` (module docstring)."""
 
     # whether the layer's evaluation reads the IN variance (MN's does not: its statistics are the running ones,
     # and its gates read the means)
     variance_in_evaluation = True
 
-    def forward(self, x: Tensor) -> Tensor:
-        if torch.jit.is_scripting():  # plain operations, see plain_moments
-            check_input(x, self.num_channels)
-            spatial_size = x.shape[2] * x.shape[3]
-            mean, var = plain_moments(x)
-            return plain_scale_shift(x, *self.scale_and_shift(mean, var, spatial_size), mean)
-        return self._normalize(x)
+    def plain_forward(self, x: Tensor) -> Tensor:
+        """``plain_moments``, the layer's ``scale_and_shift`` and (x - mean) * scale + shift, in plain
+        differentiable operations: what TorchScript compiles and exporters record in training."""
+        mean, var, _ = plain_moments(x)
+        return plain_scale_shift(x, *self.scale_and_shift(mean, var, x.shape[2] * x.shape[3]), mean)
 
     @torch.jit.unused
-    def _normalize(self, x: Tensor) -> Tensor:
-        parameters = self.parameter_tuple()
-        trainable = any_requires_grad(parameters)
-        if self.training and not trainable:  # frozen (``base``)
-            self.train(False)
-        if exporting():
-            return self.exported_forward(x)
-        plan = self.call_plan(x)
-        if plan is not None:
-            return fused_normalize(self, plan, x, parameters, trainable)
+    def autograd_forward(self, x: Tensor, parameters: tuple[Tensor, ...]) -> Tensor:
+        """``normalize_by_moments`` with the layer's ``scale_and_shift``; in evaluation the moments (the means
+        alone where the layer reads no variance: ``variance_in_evaluation``), ``scale_and_shift`` and one affine
+        pass."""
         return normalize_by_moments(x, self._affine(x), parameters, self.training or self.variance_in_evaluation)
 
     @torch.jit.unused
-    def make_call_plan(self, x: Tensor) -> Optional["FusedPlan"]:
+    def make_call_plan(self, x: Tensor) -> FusedPlan | None:
         check_input(x, self.num_channels)
         if x.numel() == 0 or not (self.training or kernel_path(x)):
             # evaluation off the kernel path: ``normalize_by_moments``, whose no-grad form is the fast moments,
@@ -247,23 +221,20 @@ class MomentNormalizer(NormBase):
 
     @torch.jit.unused
     def exported_forward(self, x: Tensor) -> Tensor:
-        """The layer as exporters record it (``map_passes.exporting``): in evaluation, ``centred_moments`` and
-        the layer's ``scale_and_shift`` on (N, C, 1, 1) statistics, then (x - mean) * scale + shift, all plain
+        """The layer as exporters record it (``base.exporting``): in evaluation, ``centred_moments`` and the
+        layer's ``scale_and_shift`` on (N, C, 1, 1) statistics, then (x - mean) * scale + shift, all plain
         operations; in training, the plain differentiable forward TorchScript runs."""
-        check_input(x, self.num_channels)
-        spatial_size = x.shape[2] * x.shape[3]
         if self.training:
-            mean, var = plain_moments(x)
-            return plain_scale_shift(x, *self.scale_and_shift(mean, var, spatial_size), mean)
+            return self.scripted_forward(x)
+        check_input(x, self.num_channels)
         mean, centred, var = centred_moments(x)
-        scale, shift = self.scale_and_shift(mean, var, spatial_size)
+        scale, shift = self.scale_and_shift(mean, var, x.shape[2] * x.shape[3])
         return as_dtype(centred * scale + shift, x.dtype)
 
     @torch.jit.unused
-    def fused_plan(self, x: Tensor) -> Optional["FusedPlan"]:
-        """The layer's closed forms for inputs like the non-empty ``x`` (``FusedPlan``): its Triton kernels where
-        x is on the kernel path (``map_passes.kernel_path``), its tensor-operation closed forms elsewhere if it
-        has them; None where neither applies, and the autograd path runs."""
+    def fused_plan(self, x: Tensor) -> FusedPlan | None:
+        """The layer's kernels for inputs like the non-empty ``x`` (``fused.FusedPlan``), where x is on the kernel
+        path (``kernels.kernel_path``) and they apply; None elsewhere, and the PyTorch path runs."""
         return None
 
     @torch.jit.unused
@@ -313,7 +284,7 @@ class _NormalizeByMoments(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, affine: AffineFromMoments, *parameters: Tensor):
         over = passes_for(x)
-        mean_in, var_in, residual = over.moments_and_residual(x)
+        mean_in, var_in, residual = over.moments(x, True)
         with torch.enable_grad():
             mean_in.requires_grad_(ctx.needs_input_grad[0])
             var_in.requires_grad_(ctx.needs_input_grad[0])
@@ -349,109 +320,3 @@ class _NormalizeByMoments(torch.autograd.Function):
             grad_x = over.grad_input(grad_y, x, over.block_of(scale.detach()), over.block_of(p, q), moments, True)
         grad_parameters = [next(grads) if p.requires_grad else None for p in parameters]
         return (grad_x, None, *grad_parameters)
-
-
-# The fused path ---------------------------------------------------------------------------------------
-
-
-class FusedPlan(Protocol):
-    """A layer's fused (N, C) kernels for inputs of one signature: made by the layer's ``fused_plan(x)``,
-    which decides the path once, and kept for the calls that follow (``base.NormBase.call_plan``). It
-    holds no tensor: the layer and its ``parameters`` (``parameter_tuple()``, in that order) come with
-    each call. ``passes`` are the full-size passes over such inputs on that path
-    (``map_passes.TritonPasses`` with Triton kernels, ``map_passes.TorchPasses`` with closed forms as tensor
-    operations), for the forward and the backward alike; the (N, C) statistics travel between them in
-    blocks of rows (``map_passes``): moments (mean, variance, residual), affine (scale, shift), sums (D, S),
-    pq (p, q)."""
-
-    passes: object
-
-    def forward(self, layer, parameters: Sequence[Tensor], moments) -> tuple[object, object]:
-        """The affine block of the output (x - mean) * scale + shift from the moments block, and what
-        ``backward`` needs besides the two; records the running statistics in training."""
-
-    def backward(self, layer, parameters: Sequence[Tensor], moments, affine, saved, sums) -> tuple[object, list]:
-        """From the sums block: the pq block, grad_x = grad_y * scale + (x - mean - residual) * p + q, and
-        the gradients of the layer's ``parameters``, in their order."""
-
-
-def written_in_place(*tensors: Tensor) -> None:
-    """Tell autograd that a kernel wrote ``tensors`` (running statistics) in place, as an in-place ATen
-    operation would: a tensor saved for a backward and changed since then is then refused, not misused."""
-    torch.autograd.graph.increment_version(tensors)
-
-
-def any_requires_grad(parameters: Sequence[Tensor]) -> bool:
-    """Whether any of ``parameters`` requires a gradient (a layer none of whose parameters does is frozen)."""
-    for parameter in parameters:
-        if parameter.requires_grad:
-            return True
-    return False
-
-
-def fused_normalize(layer, plan: FusedPlan, x: Tensor, parameters: Sequence[Tensor], trainable: bool) -> Tensor:
-    """The layer's output through its fused kernels: one autograd node when anything needs a gradient
-    (``trainable``: some parameter requires one). A backward under create_graph replays the layer's plain
-    differentiable computation, ``layer.replayed_forward(x)``."""
-    grad_enabled = torch.is_grad_enabled()
-    if grad_enabled and (trainable or x.requires_grad):
-        return _FusedNormalize.apply(x, layer, plan, *parameters)
-    if grad_enabled:  # nothing to differentiate (a frozen layer): the passes' no-grad forms
-        with torch.no_grad():
-            return _fused_forward(layer, plan, x, parameters)
-    return _fused_forward(layer, plan, x, parameters)
-
-
-def _fused_forward(layer, plan: FusedPlan, x: Tensor, parameters: Sequence[Tensor]) -> Tensor:
-    over = plan.passes
-    moments = over.moments(x)
-    affine, _ = plan.forward(layer, parameters, moments)
-    return over.scale_shift(x, affine, moments)
-
-
-class _FusedNormalize(torch.autograd.Function):
-    """Saved for the backward: x and the parameters (``save_for_backward``: autograd checks that they are
-    unchanged), and the node's own blocks, which nothing else sees, as attributes."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, layer, plan: FusedPlan, *parameters: Tensor):
-        over = plan.passes
-        moments = over.moments_and_residual(x)
-        affine, saved = plan.forward(layer, parameters, moments)
-        ctx.save_for_backward(x, *parameters)
-        ctx.layer, ctx.plan, ctx.blocks = layer, plan, (moments, affine, saved)
-        return over.scale_shift(x, affine, moments)
-
-    @staticmethod
-    def backward(ctx, grad_y: Tensor):
-        x, *parameters = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
-            grad_x, grad_parameters = replayed_gradients(
-                ctx.layer.replayed_forward, x, parameters, grad_y, needs[0], needs[3:]
-            )
-            return (grad_x, None, None, *grad_parameters)
-        moments, affine, saved = ctx.blocks
-        plan = ctx.plan
-        over = plan.passes
-        sums = over.centered_dot_and_sum(grad_y, x, moments)
-        pq, grad_parameters = plan.backward(ctx.layer, parameters, moments, affine, saved, sums)
-        grad_x = over.grad_input(grad_y, x, affine, pq, moments, True) if needs[0] else None
-        if not all(needs[3:]):
-            grad_parameters = [g if needed else None for g, needed in zip(grad_parameters, needs[3:])]
-        return (grad_x, None, None, *grad_parameters)
-
-
-def replayed_gradients(
-    replay, x: Tensor, parameters: Sequence[Tensor], grad_y: Tensor, needs_x: bool, needs_parameters
-):
-    """The gradients of ``replay(x)`` (a layer's plain differentiable forward, run again without recording
-    its statistics twice: ``running.replaying``) with respect to x and the ``parameters`` flagged in
-    ``needs_parameters``, as differentiable functions of them and of grad_y: what a backward under
-    create_graph returns. (grad_x or None, [grad or None per parameter])."""
-    with torch.enable_grad(), replaying():
-        y = replay(x)
-    wanted = [t for t, needed in zip((x, *parameters), (needs_x, *needs_parameters)) if needed]
-    grads = iter(torch.autograd.grad(y, wanted, grad_y, create_graph=True, allow_unused=True))
-    grad_x = next(grads) if needs_x else None
-    return grad_x, [next(grads) if needed else None for needed in needs_parameters]

@@ -12,19 +12,18 @@ statistics and training and evaluation behave identically. Choices:
   drop-in for BN / GN as a detectron2 norm type; it then equals detectron2's channel-wise ``LayerNorm``.
 - Statistics and normalization are computed in at least float32, and the output has the input's dtype.
 
-On the kernel path (``map_passes.kernel_path``: CUDA, or Triton's interpreter) the layer runs as one Triton
+On the kernel path (``kernels.kernel_path``: CUDA, or Triton's interpreter) the layer runs as one Triton
 kernel forward and two backward (``positional_kernels``); elsewhere, and under TorchScript, as tensor
-operations, which are also the kernels' oracle in the tests.
+operations (``plain_forward``), which are also the kernels' oracle in the tests.
 """
 
 import torch
 from torch import Tensor
 
-from .base import NormBase
-from .map_passes import as_dtype, exporting, stat_dtype
-from .moment_normalizer import check_input, per_channel
+from .base import NormBase, check_input, exporting
+from .map_passes import as_dtype, per_channel, stat_dtype
 from .options import POSITIVE
-from .positional_kernels import PositionalKernels, positional_norm, supports
+from .positional_kernels import PositionalKernels, supports
 
 
 def pono(x: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor, Tensor]:
@@ -55,39 +54,16 @@ class PositionalNorm2d(NormBase):
         super().__init__(num_channels, eps=eps)
         self.reset_parameters()
 
-    def forward(self, x: Tensor) -> Tensor:
-        if torch.jit.is_scripting():
-            check_input(x, self.num_channels)
-            return self._autograd_forward(x)
-        return self._kernel_or_autograd_forward(x)
-
-    @torch.jit.unused
-    def _kernel_or_autograd_forward(self, x: Tensor) -> Tensor:
-        if exporting():  # plain operations (``map_passes.exporting``)
-            check_input(x, self.num_channels)
-            return self._autograd_forward(x)
-        plan = self.call_plan(x)
-        if plan is not None:
-            weight, bias = self.parameter_tuple()
-            return positional_norm(self, plan, x, weight, bias)
-        return self._autograd_forward(x)
-
     @torch.jit.unused
     def make_call_plan(self, x: Tensor) -> PositionalKernels | None:
-        """The Triton kernels (``positional_kernels``) where they take x and the parameters; None (the
-        autograd path) elsewhere."""
+        """The Triton kernels (``positional_kernels``) where they take x and the parameters; None (the PyTorch
+        path, ``plain_forward``) elsewhere."""
         check_input(x, self.num_channels)
         return PositionalKernels(x) if supports(x, self.weight, self.bias) else None
 
-    @torch.jit.unused
-    def replayed_forward(self, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-        """The layer in plain differentiable operations with the given weight and bias (those of the call a
-        backward under create_graph differentiates)."""
-        return _affine_pono(x, weight, bias, self.eps)
-
-    def _autograd_forward(self, x: Tensor) -> Tensor:
-        """The layer in tensor operations with autograd: the oracle of the kernels, and the path wherever
-        they do not apply (float64, other layouts, empty inputs, TorchScript)."""
+    def plain_forward(self, x: Tensor) -> Tensor:
+        """PONO and the affine in tensor operations: the layer's PyTorch path (float64, other layouts, empty
+        inputs), its TorchScript and exported forms, and the kernels' oracle."""
         return _affine_pono(x, self.weight, self.bias, self.eps)
 
 

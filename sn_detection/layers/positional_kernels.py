@@ -42,21 +42,17 @@ costs no digits.
 Types. x (and grad_y) float32, float16 or bfloat16, read directly; all arithmetic float32; full-size
 outputs rounded once to x's dtype. weight and bias float32, float16 or bfloat16 (read as float32). Any
 other case, float64 included, takes the layer's tensor path (``supports``). Under create_graph the
-backward replays the tensor path (``moment_normalizer.replayed_gradients``) for a differentiable result.
+backward replays the tensor path (``fused.replayed_gradients``) for a differentiable result.
 
 Nothing reads a value on the host: a training step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
-from .kernel_launch import cdiv, launch, next_pow2, tl, triton
-from .map_passes import _layout, _output_like, kernel_path
-from .moment_normalizer import replayed_gradients
+from .kernels import _layout, _output_like, cdiv, kernel_path, launch, next_pow2, tl, triton
 
 _TILE = 2048  # elements of one [BLOCK_C, BLOCK_P] tile: 16 per thread at 4 warps
 _MAX_BLOCK_P = 128  # NCHW: contiguous pixels per program
@@ -218,7 +214,7 @@ if triton is not None:
 
 
 def supports(x: Tensor, weight: Tensor, bias: Tensor) -> bool:
-    """Whether the kernels take this call: x on the kernel path (``map_passes.kernel_path``) and not empty,
+    """Whether the kernels take this call: x on the kernel path (``kernels.kernel_path``) and not empty,
     one sample and the pixels of the batch each indexable in int32, parameters of a kernel dtype on x's
     device."""
     if not (kernel_path(x) and x.numel() > 0):
@@ -232,9 +228,9 @@ def supports(x: Tensor, weight: Tensor, bias: Tensor) -> bool:
 
 
 class PositionalKernels:
-    """The kernels for inputs of one signature (``supports``): tile shape and grid of their programs (module
-    docstring, "Programs"), worked out once; a plan of the layer's calls (``base.NormBase.call_plan``) that
-    holds no tensor."""
+    """The kernels for inputs of one signature (``supports``; ``fused.FusedPlan``): tile shape and grid of their
+    programs (module docstring, "Programs"), worked out once; a plan of the layer's calls
+    (``base.NormBase.call_plan``) that holds no tensor."""
 
     def __init__(self, x: Tensor):
         channels_last = _layout(x, "x")
@@ -264,31 +260,24 @@ class PositionalKernels:
         self.reduce_grid = (cdiv(c, reduce_block_c),)
         self.reduce_meta = {"BLOCK_R": _REDUCE_BLOCK_R, "BLOCK_C": reduce_block_c, "num_warps": _NUM_WARPS}
 
-    def forward(self, x: Tensor, weight: Tensor, bias: Tensor, eps: float, save: bool) -> tuple[Tensor, Tensor | None]:
+    def forward(self, layer, x: Tensor, parameters, save: bool):
         """(y, stats): y in x's dtype and layout; stats the float32 (3, N * H * W) per-pixel (k, m, r) of the
         module docstring when ``save``, else None. One launch."""
+        weight, bias = parameters
         y = _output_like(x)
         stats = x.new_empty(self.stats_shape, dtype=torch.float32) if save else None
         launch(
             _forward_kernel,
             (self.programs,),
-            (x, y, stats if save else y, weight, bias, self.c, self.hw, self.pixels, self.hw_blocks, float(eps)),
+            (x, y, stats if save else y, weight, bias, self.c, self.hw, self.pixels, self.hw_blocks, float(layer.eps)),
             self.forward_meta[save],
         )
         return y, stats
 
-    def backward(
-        self,
-        grad_y: Tensor,
-        x: Tensor,
-        stats: Tensor,
-        weight: Tensor,
-        bias: Tensor,
-        needs_x: bool,
-        needs_parameters: bool,
-    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """(grad_x, grad_weight, grad_bias), None where not needed. Two launches (one when the parameters need
-        no gradient)."""
+    def backward(self, layer, grad_y: Tensor, x: Tensor, parameters, stats: Tensor, needs_x: bool, needs_parameters):
+        """(grad_x, [grad_weight, grad_bias]), grad_x None without ``needs_x`` and the parameters' gradients
+        without ``needs_parameters``. Two launches (one when the parameters need no gradient)."""
+        weight, bias = parameters
         grad_y = grad_y.contiguous(memory_format=self.memory_format)
         grad_x = _output_like(x) if needs_x else None
         partial = stats.new_empty(self.partial_shape)
@@ -312,8 +301,8 @@ class PositionalKernels:
             ),
             self.backward_meta[needs_x],
         )
-        if not needs_parameters:
-            return grad_x, None, None
+        if not (needs_parameters[0] or needs_parameters[1]):
+            return grad_x, [None, None]
         grad_weight, grad_bias = torch.empty_like(weight), torch.empty_like(bias)
         launch(
             _parameter_gradients_kernel,
@@ -321,37 +310,4 @@ class PositionalKernels:
             (partial, grad_weight, grad_bias, self.programs, self.c),
             self.reduce_meta,
         )
-        return grad_x, grad_weight, grad_bias
-
-
-def positional_norm(layer, plan: PositionalKernels, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    """The layer's output through the kernels: one autograd node when anything needs a gradient, else the
-    one forward launch. A backward under create_graph replays the layer's plain differentiable computation
-    with this call's weight and bias (``layer.replayed_forward``)."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
-        return _PositionalNorm.apply(x, layer, plan, weight, bias)
-    return plan.forward(x, weight, bias, layer.eps, save=False)[0]
-
-
-class _PositionalNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, layer, plan: PositionalKernels, weight: Tensor, bias: Tensor):
-        y, stats = plan.forward(x, weight, bias, layer.eps, save=True)
-        ctx.save_for_backward(x, weight, bias)
-        ctx.layer, ctx.plan, ctx.stats = layer, plan, stats
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y: Tensor):
-        x, weight, bias = ctx.saved_tensors
-        needs_x, _, _, needs_weight, needs_bias = ctx.needs_input_grad
-        if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
-            replay = functools.partial(ctx.layer.replayed_forward, weight=weight, bias=bias)
-            grad_x, (grad_weight, grad_bias) = replayed_gradients(
-                replay, x, (weight, bias), grad_y, needs_x, (needs_weight, needs_bias)
-            )
-            return grad_x, None, None, grad_weight, grad_bias
-        grad_x, grad_weight, grad_bias = ctx.plan.backward(
-            grad_y, x, ctx.stats, weight, bias, needs_x, needs_weight or needs_bias
-        )
-        return (grad_x, None, None, grad_weight if needs_weight else None, grad_bias if needs_bias else None)
+        return grad_x, [grad_weight, grad_bias]

@@ -24,7 +24,7 @@ pull an average of batch variances towards 0 until evaluation divides by sqrt(ep
 refuses such a batch); MN's estimate, the variance of the mixture, takes the value's distance instead.
 ``running_var`` is the biased variance unless the class sets ``unbiased_running_var`` (BNSR, like
 BatchNorm). ``num_batches_tracked`` counts the batches that had values. This rule is written once for
-the torch path (``update_running_moments``) and once for the Triton kernels (``running_kernels``), which
+the torch path (``update_running_moments``) and once for the Triton kernels (``kernels``: the running update), which
 move the running statistics inside their own statistics kernels.
 
 The batch average (SN paper, Sec. 2.1, Inference): between ``start_batch_average()`` and
@@ -39,15 +39,13 @@ version 1) is added, and a ``running_sq_mean`` (MN's E[x^2] at version 1) become
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .base import NormBase
+from .fused import is_replaying
 
 NO_STATISTICS = (
     "batch average has no statistics: run forwards in training mode on non-empty batches between "
@@ -132,7 +130,7 @@ def update_running_moments(
     factor ``momentum``, or 1 / num_batches_tracked for None; the mean where a row has values, the variance
     where ``variance_seen``; Bessel's correction with ``unbiased``, the mixture's variance with ``mixture``;
     ``num_batches_tracked`` counts the batch if any row has values. In float64; no value is read on the
-    host. ``running_kernels.store_running_moments`` is the same rule in the kernels."""
+    host. ``kernels.store_running_moments`` is the same rule in the kernels."""
     mean, var = mean.double(), var.double()
     count = _per_row(count.double(), mean)
     seen = count > 0
@@ -168,26 +166,6 @@ class MomentAccumulator:
         if self._sums is None or not bool((self._sums.count > 0).any()):
             raise RuntimeError(NO_STATISTICS)
         return self._sums
-
-
-_replay = threading.local()
-
-
-@contextlib.contextmanager
-def replaying() -> Iterator[None]:
-    """Within the block, layers record no statistics: a forward run again (to differentiate it once more
-    under create_graph) must not count its batch twice."""
-    previous = getattr(_replay, "active", False)
-    _replay.active = True
-    try:
-        yield
-    finally:
-        _replay.active = previous
-
-
-@torch.jit.unused
-def _is_replaying():
-    return getattr(_replay, "active", False)
 
 
 class RunningMoments(NormBase):
@@ -233,7 +211,7 @@ class RunningMoments(NormBase):
     def _track(self, sums: MomentSums) -> None:
         """Record a training batch: into the batch average if one is running, else into the running
         statistics with the layer's momentum."""
-        if not torch.jit.is_scripting() and _is_replaying():
+        if not torch.jit.is_scripting() and is_replaying():
             return
         sums = MomentSums(sums.count.detach(), sums.total.detach(), sums.total_sq.detach())
         if self._batch_average is not None:

@@ -25,13 +25,14 @@ Choices the paper leaves open:
 import torch
 from torch import Tensor, nn
 
-from . import map_passes
+from .base import check_input, exporting
 from .inference import ChannelAffine, EvaluationForm
-from .map_passes import as_dtype, exporting, stat_dtype
-from .moment_normalizer import check_input, instance_moments, per_channel, scale_shift
+from .kernels import kernel_path
+from .map_passes import as_dtype, per_channel, stat_dtype
+from .moment_normalizer import instance_moments, scale_shift
 from .options import MOMENTUM, POSITIVE
 from .running import RunningMoments, group_sums, moments_from_sums
-from .skewness_kernels import SkewnessKernels, skewness_reduced
+from .skewness_kernels import SkewnessKernels
 
 
 class _SignedPower(torch.autograd.Function):
@@ -112,30 +113,12 @@ class SkewnessReducedBatchNorm2d(RunningMoments):
         self._register_running_moments(num_channels)
         self.reset_parameters()
 
-    def forward(self, x: Tensor) -> Tensor:
-        if torch.jit.is_scripting():
-            check_input(x, self.num_channels)
-            return self._autograd_forward(x)
-        return self._kernel_or_autograd_forward(x)
-
-    @torch.jit.unused
-    def _kernel_or_autograd_forward(self, x: Tensor) -> Tensor:
-        weight, bias = parameters = self.parameter_tuple()
-        if self.training and not any(p.requires_grad for p in parameters):  # frozen (``base``)
-            self.train(False)
-        if exporting():
-            return self.exported_forward(x)
-        plan = self.call_plan(x)
-        if plan is not None:
-            return skewness_reduced(self, plan, x, weight, bias)
-        return self._autograd_forward(x)
-
     @torch.jit.unused
     def make_call_plan(self, x: Tensor) -> SkewnessKernels | None:
-        """The kernels (``skewness_kernels``) for non-empty inputs on the kernel path; None (the autograd path)
-        for the others and during a batch average (its sums pool in float64)."""
+        """The kernels (``skewness_kernels``) for non-empty inputs on the kernel path; None (the PyTorch path,
+        ``plain_forward``) for the others and during a batch average (its sums pool in float64)."""
         check_input(x, self.num_channels)
-        if map_passes.kernel_path(x) and x.numel() > 0 and self._batch_average is None:
+        if kernel_path(x) and x.numel() > 0 and self._batch_average is None:
             return SkewnessKernels(self, x)
         return None
 
@@ -147,25 +130,20 @@ class SkewnessReducedBatchNorm2d(RunningMoments):
 
     @torch.jit.unused
     def exported_forward(self, x: Tensor) -> Tensor:
-        """The layer as exporters record it (``map_passes.exporting``): in evaluation Eq. 6-7 with the running
+        """The layer as exporters record it (``base.exporting``): in evaluation Eq. 6-7 with the running
         statistics as per-channel constants, phi_p as sign(z) |z|^p; in training the plain differentiable
         forward TorchScript runs."""
-        check_input(x, self.num_channels)
         if self.training:
-            return self._autograd_forward(x)
+            return self.scripted_forward(x)
+        check_input(x, self.num_channels)
         xs = as_dtype(x, stat_dtype(x))
         mean, var = per_channel(self.running_mean, xs), per_channel(self.running_var, xs)
         z = (xs - mean) / torch.sqrt(var + self.eps)
         return as_dtype(signed_power(z, self.p) * per_channel(self.weight, xs) + per_channel(self.bias, xs), x.dtype)
 
-    @torch.jit.unused
-    def replayed_forward(self, x: Tensor) -> Tensor:
-        """The layer in plain differentiable operations: what a backward under create_graph differentiates."""
-        return self._autograd_forward(x)
-
-    def _autograd_forward(self, x: Tensor) -> Tensor:
-        """The layer in tensor operations with autograd: the oracle of the kernels, and the path wherever
-        they do not apply (``moment_normalizer``)."""
+    def plain_forward(self, x: Tensor) -> Tensor:
+        """Eq. 6-7 in tensor operations (the batch's statistics in training, moving the running ones; the running
+        ones in evaluation): the layer's PyTorch path, its TorchScript form and the kernels' oracle."""
         mean, var = self._batch_statistics(x) if self.training else (self.running_mean, self.running_var)
         # buffers and parameters too: a model converted with .half() keeps fp16 ones
         dtype, (n, c) = stat_dtype(x), x.shape[:2]

@@ -1,4 +1,5 @@
-"""BNSR's forward and backward as Triton kernels: three launches each in training (``moment_normalizer``).
+"""BNSR's forward and backward as Triton kernels, three launches each in training, and their host code: the
+layer's plan (``SkewnessKernels``), which ``fused`` runs as one autograd node.
 
 With per-channel mu, r = (var + eps)^(-1/2) (the batch's in training, the running ones in evaluation),
 z = (x - mu) r and phi_p(z) = sign(z) |z|^p (``skewness``):
@@ -12,12 +13,11 @@ backward applied to g = grad_y gamma phi_p'(z): grad_x = r (g - mean g - z mean(
 b = -r^2 mean(g z) and q = -r mean(g), the means over the channel's N * H * W values; in evaluation
 b = q = 0. The launches:
 
-- training forward: ``map_passes.TritonPasses.moments`` (the IN moments of every (n, c)); one program per block of
-  channels pools them into the batch's mean and biased variance (two-pass, so exact whatever the
-  mean-to-spread ratio), moves the running statistics (unbiased variance, as BatchNorm;
-  ``running_kernels``) and writes mu, r;
-  one elementwise pass writes y. In evaluation the elementwise pass reads the running statistics itself:
-  one launch.
+- training forward: ``kernels.TritonPasses.moments`` (the IN moments of every (n, c)); one program per block
+  of channels pools them into the batch's mean and biased variance (two-pass, so exact whatever the
+  mean-to-spread ratio), moves the running statistics (unbiased variance, as BatchNorm; ``kernels``'
+  running update) and writes mu, r; one elementwise pass writes y. In evaluation the elementwise pass reads
+  the running statistics itself: one launch.
 - backward: one pass reads (grad_y, x) for the per-(n, c) sums of grad_y phi', grad_y phi' z,
   grad_y phi and grad_y; one program per block of channels sums them over the batch into the parameters'
   gradients and a, b, q; one elementwise pass writes grad_x.
@@ -27,13 +27,26 @@ b = q = 0. The launches:
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
-from .kernel_launch import cdiv, launch, next_pow2, tl, triton
-from .map_passes import TritonPasses, _output_like, _tile_of_program, _tile_offsets, _tile_shape
-from .moment_normalizer import replayed_gradients, written_in_place
-from .running_kernels import running_factor, store_running_moments
+from .kernels import (
+    TritonPasses,
+    _output_like,
+    _tile_of_program,
+    _tile_offsets,
+    _tile_shape,
+    cdiv,
+    launch,
+    next_pow2,
+    running_factor,
+    store_running_moments,
+    tl,
+    triton,
+    written_in_place,
+)
 
 _BLOCK_N = 32
 _MAX_BLOCK_C = 64
@@ -81,7 +94,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
-        # the moments block's rows: the IN means and variances (``map_passes``) of a batch of ``count`` values
+        # the moments block's rows: the IN means and variances (``kernels``) of a batch of ``count`` values
         # per channel
         mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
         pid = tl.program_id(0)
@@ -269,17 +282,19 @@ def _blocks(c: int) -> int:
 
 
 class SkewnessKernels:
-    """BNSR's kernels for non-empty kernel-path inputs of one signature (module docstring): a plan of the
-    layer's calls (``base.NormBase.call_plan``) that holds no tensor."""
+    """BNSR's kernels for non-empty kernel-path inputs of one signature (module docstring; ``fused.FusedPlan``):
+    each direction one method. A plan of the layer's calls (``base.NormBase.call_plan``) that holds no
+    tensor."""
 
     def __init__(self, layer, x: Tensor):
         self.batch_stats = layer.training
         n, c, h, w = x.shape
         self.count = n * h * w
         self.slope_at_zero = 1.0 if layer.p == 1 else 0.0  # ``skewness``: the slope's limit, finite
-        self.moments = TritonPasses(x)  # its layout check: x's
-        self.channels_last = self.moments.channels_last
-        self.memory_format = self.moments.memory_format
+        self.passes = TritonPasses(x)  # the moments, and its layout check: x's
+        self.channels_last = self.passes.channels_last
+        self.memory_format = self.passes.memory_format
+        self.running = operator.itemgetter("running_mean", "running_var", "num_batches_tracked")
         block_c, block_hw = _tile_shape(c, h * w, self.channels_last)
         c_blocks, hw_blocks = cdiv(c, block_c), cdiv(h * w, block_hw)
         self.shape = (n, c, h * w, c_blocks, hw_blocks)
@@ -296,26 +311,27 @@ class SkewnessKernels:
             FROM_VARIANCE=from_variance, BATCH_STATS=self.batch_stats, BLOCK_N=_BLOCK_N, BLOCK_C=small_block_c
         )
 
-    def statistics(self, layer, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(mu, r) of the channels in training (moving the running statistics); in evaluation the running
-        mean and variance, which the passes turn into r themselves."""
-        running_mean, running_var, tracked = running = layer.running_buffers()
-        if not self.batch_stats:
-            return running_mean, running_var
-        moments = self.moments.moments(x)
-        n, c = self.moments.vector_shape
-        mu, r = moments.new_empty(c), moments.new_empty(c)
-        launch(
-            _batch_statistics_kernel,
-            self.channel_grid,
-            (moments, *running, mu, r, n, c, layer.eps, layer.momentum, float(self.count)),
-            self.statistics_constants,
-        )
-        written_in_place(*running)
-        return mu, r
-
-    def forward(self, layer, x: Tensor, mu: Tensor, r: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    def forward(self, layer, x: Tensor, parameters, save: bool):
+        """In training: moments -> the batch-statistics kernel (mu, r and the running statistics) -> the output
+        kernel; in evaluation the output kernel reads the running mean and variance itself. saved: (mu, r), or
+        the running mean and variance as they are now."""
+        weight, bias = parameters
         n, c, hw, c_blocks, hw_blocks = self.shape
+        running_mean, running_var, _ = running = self.running(layer._buffers)
+        if self.batch_stats:
+            moments = self.passes.moments(x)
+            mu, r = moments.new_empty(c), moments.new_empty(c)
+            launch(
+                _batch_statistics_kernel,
+                self.channel_grid,
+                (moments, *running, mu, r, n, c, layer.eps, layer.momentum, float(self.count)),
+                self.statistics_constants,
+            )
+            written_in_place(*running)
+        elif save:  # the running statistics as they are now: saved, not read again later
+            mu, r = running_mean.clone(), running_var.clone()
+        else:
+            mu, r = running_mean, running_var
         y = _output_like(x)
         launch(
             _forward_kernel,
@@ -323,17 +339,20 @@ class SkewnessKernels:
             (x, y, mu, r, weight, bias, c, hw, c_blocks, hw_blocks, layer.eps, float(layer.p)),
             self.map_constants,
         )
-        return y
+        return y, (mu, r) if save else None
 
-    def backward(self, layer, grad_y: Tensor, x: Tensor, mu: Tensor, r: Tensor, weight: Tensor, needs_x: bool):
+    def backward(self, layer, grad_y: Tensor, x: Tensor, parameters, saved, needs_x: bool, needs_parameters):
+        """The sums kernel -> the coefficients kernel (the parameters' gradients, a, b, q) -> grad_x."""
+        mu, r = saved
+        weight, bias = parameters
         n, c, hw, c_blocks, hw_blocks = self.shape
-        grad_y = grad_y.contiguous(memory_format=self.memory_format)
         eps, p = layer.eps, float(layer.p)
+        grad_weight, grad_bias = torch.empty_like(weight), torch.empty_like(bias)
+        grad_y = grad_y.contiguous(memory_format=self.memory_format)
         sums = x.new_empty((4, n, c), dtype=torch.float32)
         launch(
             _sums_kernel, self.reduce_grid, (grad_y, x, mu, r, sums, n, c, hw, c_blocks, eps, p), self.slope_constants
         )
-        grad_weight, grad_bias = torch.empty_like(weight), torch.empty_like(weight)
         coefficients = sums.new_empty((3, c))
         launch(
             _coefficients_kernel,
@@ -350,35 +369,4 @@ class SkewnessKernels:
                 (grad_y, x, grad_x, mu, r, coefficients, c, hw, c_blocks, hw_blocks, eps, p),
                 self.slope_constants,
             )
-        return grad_x, grad_weight, grad_bias
-
-
-def skewness_reduced(layer, plan: SkewnessKernels, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    """BNSR's output through its kernels: one autograd node when anything needs a gradient. A backward under
-    create_graph replays the layer's plain differentiable computation, ``layer.replayed_forward(x)``."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
-        return _SkewnessReduced.apply(x, layer, plan, weight, bias)
-    return plan.forward(layer, x, *plan.statistics(layer, x), weight, bias)
-
-
-class _SkewnessReduced(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, layer, plan: SkewnessKernels, weight: Tensor, bias: Tensor):
-        mu, r = plan.statistics(layer, x)
-        if not plan.batch_stats:  # the running statistics, as they are now: saved, not read again later
-            mu, r = mu.clone(), r.clone()
-        ctx.save_for_backward(x, weight, bias)
-        ctx.layer, ctx.plan, ctx.statistics = layer, plan, (mu, r)
-        return plan.forward(layer, x, mu, r, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_y: Tensor):
-        x, weight, bias = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        if torch.is_grad_enabled():  # create_graph: differentiable gradients, from the plain computation
-            grad_x, grad_parameters = replayed_gradients(
-                ctx.layer.replayed_forward, x, (weight, bias), grad_y, needs[0], needs[3:]
-            )
-            return (grad_x, None, None, *grad_parameters)
-        grad_x, grad_weight, grad_bias = ctx.plan.backward(ctx.layer, grad_y, x, *ctx.statistics, weight, needs[0])
-        return grad_x, None, None, grad_weight, grad_bias
+        return grad_x, [grad_weight, grad_bias]

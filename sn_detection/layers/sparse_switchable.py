@@ -61,12 +61,12 @@ import math
 import torch
 from torch import Tensor, nn
 
-from . import map_passes
+from .fused import is_replaying
 from .group import GroupNorm2d
 from .inference import ChannelAffine, EvaluationForm
-from .kernel_launch import interpreting
+from .kernels import interpreting, kernel_path
+from .map_passes import stat_dtype
 from .options import is_number
-from .running import _is_replaying
 from .switchable import SwitchableNorm2d, SyncSwitchableNorm2d
 
 FREE = -1  # mean_fixed / var_fixed of weights that are not fixed, *_fixed_at of an unknown iteration
@@ -233,19 +233,27 @@ class SparseSwitchableNorm2d(SwitchableNorm2d):
 
     @torch.jit.unused
     def fused_plan(self, x: Tensor):
-        if not map_passes.kernel_path(x) and self.chosen_branches() is not None:
+        if not kernel_path(x) and self.chosen_branches() is not None:
             return None  # the torch path, which computes only the chosen statistics
         return super().fused_plan(x)
 
     @torch.jit.unused
-    def _normalize(self, x: Tensor) -> Tensor:
-        # the kernels fix the weights in the forward of a non-empty batch; otherwise the layer does it here (an
-        # empty batch too: the choice depends on the logits and the radius, not on the data, and the processes
-        # of SyncSSN, one of which may have no image, must agree)
-        if self.training and not (x.numel() > 0 and map_passes.kernel_path(x)) and not _is_replaying():
-            if not self.frozen:
-                self.fix_one_hot_weights(map_passes.stat_dtype(x))
-        return super()._normalize(x)
+    def autograd_forward(self, x: Tensor, parameters: tuple[Tensor, ...]) -> Tensor:
+        self._fix_without_kernels(x)
+        return super().autograd_forward(x, parameters)
+
+    @torch.jit.unused
+    def exported_forward(self, x: Tensor) -> Tensor:
+        self._fix_without_kernels(x)
+        return super().exported_forward(x)
+
+    @torch.jit.unused
+    def _fix_without_kernels(self, x: Tensor) -> None:
+        # the kernels (and SN's closed forms) fix the weights in the forward of a non-empty batch; otherwise the
+        # layer does it here (an empty batch too: the choice depends on the logits and the radius, not on the
+        # data, and the processes of SyncSSN, one of which may have no image, must agree)
+        if self.training and not (x.numel() > 0 and kernel_path(x)) and not is_replaying():
+            self.fix_one_hot_weights(stat_dtype(x))
 
     @torch.jit.unused
     def fix_one_hot_weights(self, dtype: torch.dtype = torch.float32) -> None:

@@ -43,10 +43,11 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
 
-from . import map_passes
+from .fused import FusedPlan
 from .inference import EvaluationForm
-from .map_passes import as_dtype
-from .moment_normalizer import FusedPlan, MomentNormalizer, affine_from_moments, per_channel
+from .kernels import kernel_path
+from .map_passes import as_dtype, per_channel
+from .moment_normalizer import MomentNormalizer, affine_from_moments
 from .options import BOOLEAN, MOMENTUM, POSITIVE
 from .running import MomentSums, RunningMoments, group_sums, moments_from_sums
 from .switchable_kernels import SwitchableClosedForms, SwitchableKernels
@@ -123,7 +124,7 @@ class SwitchableNorm2d(MomentNormalizer, RunningMoments):
     def fused_plan(self, x: Tensor) -> FusedPlan | None:
         if self.use_bn and self._batch_average is not None:  # the batch average pools float64 sums
             return None
-        return SwitchableKernels(self, x) if map_passes.kernel_path(x) else SwitchableClosedForms(self, x)
+        return SwitchableKernels(self, x) if kernel_path(x) else SwitchableClosedForms(self, x)
 
     def _batch_branch(self, mean_in: Tensor, var_in: Tensor, spatial_size: int) -> tuple[Tensor, Tensor]:
         if not self.training:
@@ -194,7 +195,7 @@ class SyncSwitchableNorm2d(SwitchableNorm2d):
     def fused_plan(self, x: Tensor) -> FusedPlan | None:
         if not (self.training and self.use_bn and _several_processes()):
             return super().fused_plan(x)
-        if self._batch_average is not None or not map_passes.kernel_path(x):  # the autograd path's all-reduce
+        if self._batch_average is not None or not kernel_path(x):  # the autograd path's all-reduce
             return None
         return SwitchableKernels(self, x, pooled=True)
 

@@ -51,7 +51,7 @@ operations take the gradient of ``branch_weights`` by autograd (``logit_gradient
 kernels are tested.
 
 Both versions compute the BN branch like the LN one, two-pass in the statistics dtype, and move the running
-statistics in place by ``running``'s rule (``running_kernels`` in the kernels).
+statistics in place by ``running``'s rule (``kernels``' running update in the kernels).
 
 Programs. Each program owns BLOCK_C channels: their BN statistics, running statistics and parameter
 gradients are its own; the sums over channels (LN statistics, sum_c G and sum_c H) it recomputes for every
@@ -72,28 +72,37 @@ training rounds as theirs.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .kernel_launch import cdiv, launch, next_pow2, tl, triton
-from .map_passes import TorchPasses, TritonPasses
-from .moment_normalizer import written_in_place
+from .fused import is_replaying
+from .kernels import (
+    TritonPasses,
+    cdiv,
+    launch,
+    next_pow2,
+    running_factor,
+    store_running_moments,
+    tl,
+    triton,
+    written_in_place,
+)
+from .map_passes import TorchPasses, stat_dtype
 from .running import update_running_moments
-from .running_kernels import running_factor, store_running_moments
 
 _TILE = 2048  # elements of one [BLOCK_N, BLOCK_C] tile
 _MAX_BLOCK_C = 64
 
-# Where the BN branch's statistics come from (BN_SOURCE), and so where their gradient goes (BN_GRAD); the
-# kernels read the same values as constexpr globals.
-_RUNNING, _BATCH, _POOLED, _POOLED_SUMS = range(4)
-# The mapping from logits to importance weights (MAPPING), by a layer's ``branch_mapping``.
-_MAPPINGS = {"softmax": 0, "sparsestmax": 1}
-
 if triton is not None:
+    # Where the BN branch's statistics come from (BN_SOURCE), and so where their gradient goes (BN_GRAD); the
+    # mapping from logits to importance weights (MAPPING), by a layer's ``branch_mapping``. The kernels compare
+    # with these constexpr globals; the host code passes their values.
     RUNNING, BATCH, POOLED, POOLED_SUMS = (tl.constexpr(value) for value in range(4))
     SOFTMAX, SPARSESTMAX = (tl.constexpr(value) for value in range(2))
+    _MAPPINGS = {"softmax": SOFTMAX, "sparsestmax": SPARSESTMAX}
 
     @triton.jit
     def _softmax(logits_ptr, NUM_BRANCHES: tl.constexpr):
@@ -271,7 +280,7 @@ if triton is not None:
         UPDATE_RUNNING: tl.constexpr,
     ):
         # mean and biased variance of the pooled sums (float64, as ``running.moments_from_sums``), and the
-        # running statistics moved by them (``running_kernels``)
+        # running statistics moved by them (``kernels``' running update)
         count = tl.load(pooled_ptr)
         safe = tl.maximum(count, 2.2250738585072014e-308)
         mean = tl.load(pooled_ptr + 1 + cols, mask=col_mask, other=0.0) / safe
@@ -318,7 +327,7 @@ if triton is not None:
         # POOLED (the sums of every process, float64 [count, sum of x (C), sum of x^2 (C)] at pooled_ptr).
         # MAPPING: SOFTMAX (SN), or SPARSESTMAX (SSN, whose radius, fixed branches and the iteration they were
         # fixed at are read from their buffers; with FIX, a training forward, one-hot weights are fixed). The
-        # blocks (``map_passes``): moments (mean, variance), affine (scale, shift, then this kernel's statistics
+        # blocks (``kernels``): moments (mean, variance), affine (scale, shift, then this kernel's statistics
         # for the backward)
         mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
         scale_ptr, shift_ptr, stats_ptr = affine_ptr, affine_ptr + N * C, affine_ptr + 2 * N * C
@@ -495,7 +504,7 @@ if triton is not None:
         # BN_GRAD: how the BN statistics pass their gradient on: not at all (RUNNING), within this batch
         # (BATCH), or through the sums of every process: POOLED_SUMS writes this process's gradient of them
         # (float64, as pooled_ptr) and nothing else; once the processes have added those up, POOLED takes
-        # them from grad_pooled_ptr. The blocks (``map_passes``): moments (mean, variance), affine (its
+        # them from grad_pooled_ptr. The blocks (``kernels``): moments (mean, variance), affine (its
         # statistics after row 1, as the forward kernel stored them), sums (D, S), pq (p, q)
         mean_ptr, var_ptr = moments_ptr, moments_ptr + N * C
         stats_ptr = affine_ptr + 2 * N * C
@@ -765,76 +774,108 @@ def _blocks(n: int, c: int) -> tuple[int, int]:
 
 
 class SwitchableKernels:
-    """SN's (and SSN's: its ``branch_mapping``) fused (N, C) kernels for inputs of one signature
-    (``moment_normalizer.FusedPlan``); with ``pooled``, SyncSN's across several processes, whose BN branch pools
-    every process's sums."""
+    """SN's (and SSN's: its ``branch_mapping``) kernels for inputs of one signature (``fused.FusedPlan``); with
+    ``pooled``, SyncSN's across several processes, whose BN branch pools every process's sums. Each direction
+    is one method: the full-size passes of ``kernels.TritonPasses`` around the layer's one (N, C) kernel
+    (two and the all-reduces, pooled)."""
 
     def __init__(self, layer, x: Tensor, pooled: bool = False):
         self.passes = TritonPasses(x)
         n, c, h, w = x.shape
         self.spatial = h * w
         training = layer.training and layer.use_bn
-        self.bn_source = (_POOLED if pooled else _BATCH) if training else _RUNNING
+        self.bn_source = (POOLED if pooled else BATCH) if training else RUNNING
         block_n, block_c = _blocks(n, c)
         self.grid = (cdiv(c, block_c),)
         self.stats_size = 3 * n + 3 * c  # what backward needs: k_ln, d_ln, var_ln (N each), k_bn, d_bn, var_bn (C each)
         self.count = float(n * h * w)  # values per channel of this process's batch (pooled sums hold their own)
-        self.sparse = layer.branch_mapping == "sparsestmax"  # SSN: its buffers go to the kernels
-        mapping = _MAPPINGS[layer.branch_mapping]
-        constants = dict(NUM_BRANCHES=3 if layer.use_bn else 2, MAPPING=mapping, BLOCK_N=block_n, BLOCK_C=block_c)
-        self.forward_constants = dict(
-            FIX=self.sparse and layer.training,
-            BN_SOURCE=self.bn_source,
-            UPDATE_RUNNING=self.bn_source != _RUNNING,
-            **constants,
+        # the buffers the kernels read and write, from the layer's buffer dict (attribute lookups cost host time)
+        self.running = (
+            operator.itemgetter("running_mean", "running_var", "num_batches_tracked") if layer.use_bn else None
         )
-        self.backward_constants = dict(BN_GRAD=self.bn_source, **constants)
+        self.sparsity = (  # SSN's
+            operator.itemgetter("radius", "iteration", "mean_fixed", "var_fixed", "mean_fixed_at", "var_fixed_at")
+            if layer.branch_mapping == "sparsestmax"
+            else None
+        )
+        constants = dict(
+            NUM_BRANCHES=3 if layer.use_bn else 2,
+            MAPPING=_MAPPINGS[layer.branch_mapping].value,
+            BLOCK_N=block_n,
+            BLOCK_C=block_c,
+        )
+        self.fix = self.sparsity is not None and layer.training  # SSN's training forward fixes one-hot weights
+        self.forward_constants = dict(
+            FIX=self.fix, BN_SOURCE=self.bn_source.value, UPDATE_RUNNING=self.bn_source is not RUNNING, **constants
+        )
+        self.backward_constants = dict(BN_GRAD=self.bn_source.value, **constants)
+        self.pooled_gradient_constants = dict(constants, BN_GRAD=POOLED_SUMS.value)
         self.sums_constants = dict(BLOCK_N=block_n, BLOCK_C=block_c)
 
-    def forward(self, layer, parameters, moments: Tensor):
-        n, c = self.passes.vector_shape
-        affine = self.passes.block(moments, 2, self.stats_size)
-        running = layer.running_buffers() if layer.use_bn else (moments,) * 3
-        sparsity = layer.sparsity_buffers() if self.sparse else (moments,) * 6  # read only by SSN
-        pooled = self._pooled_sums(moments) if self.bn_source == _POOLED else moments  # read only when pooled
+    def forward(self, layer, x: Tensor, parameters, save: bool):
+        """moments -> the forward kernel (scale, shift, the running statistics; SyncSN's pooled sums first) ->
+        scale_shift; saved: the moments block (with residuals), the affine block (with the kernel's statistics
+        after its two rows) and the pooled sums."""
+        passes = self.passes
+        n, c = passes.vector_shape
+        buffers = layer._buffers
+        running = self.running(buffers) if self.running is not None else None
+        sparsity = self.sparsity(buffers) if self.sparsity is not None else None
+        moments = passes.moments(x, save)
+        affine = passes.block(moments, 2, self.stats_size)
+        pooled = moments  # read only when pooled
+        if self.bn_source is POOLED:
+            # every process's float64 [count, sum of x, sum of x^2] of each channel, added up: the tensor, and the
+            # collective, of ``SyncSwitchableNorm2d._reduce``, so that a process whose batch is empty (it runs the
+            # autograd path) takes part in the same all-reduce
+            pooled = moments.new_empty(2 * c + 1, dtype=torch.float64)
+            launch(_pooled_sums_kernel, self.grid, (moments, pooled, n, c, self.spatial), self.sums_constants)
+            dist.all_reduce(pooled)
         launch(
             _forward_kernel,
             self.grid,
-            (moments, *parameters, *sparsity, *running, pooled, affine, n, c, layer.eps, layer.momentum, self.count),
+            (
+                moments,
+                *parameters,
+                *(sparsity or (moments,) * 6),  # read only by SSN
+                *(running or (moments,) * 3),
+                pooled,
+                affine,
+                n,
+                c,
+                layer.eps,
+                layer.momentum,
+                self.count,
+            ),
             self.forward_constants,
         )
-        if self.bn_source != _RUNNING:
+        if self.bn_source is not RUNNING:
             written_in_place(*running)
-        if self.forward_constants["FIX"]:
+        if self.fix:
             written_in_place(*sparsity[2:])
-        return affine, pooled
+        return passes.scale_shift(x, affine, moments), (moments, affine, pooled) if save else None
 
-    def _pooled_sums(self, moments: Tensor) -> Tensor:
-        """Every process's float64 [count, sum of x, sum of x^2] of each channel, added up: the tensor, and
-        the collective, of ``SyncSwitchableNorm2d._reduce``, so that a process whose batch is empty (it runs
-        the autograd path) takes part in the same all-reduce."""
-        n, c = self.passes.vector_shape
-        pooled = moments.new_empty(2 * c + 1, dtype=torch.float64)
-        launch(_pooled_sums_kernel, self.grid, (moments, pooled, n, c, self.spatial), self.sums_constants)
-        dist.all_reduce(pooled)
-        return pooled
-
-    def backward(self, layer, parameters, moments: Tensor, affine: Tensor, pooled: Tensor, sums: Tensor):
-        weight, _, mean_weight, var_weight = parameters
-        n, c = self.passes.vector_shape
-        pq = self.passes.block(moments, 2)
-        grads = [torch.empty_like(t) for t in parameters]
-        radius, _, mean_fixed, var_fixed, _, _ = layer.sparsity_buffers() if self.sparse else (moments,) * 6
-        arguments = [moments, affine, sums, weight, mean_weight, var_weight, radius, mean_fixed, var_fixed, pooled]
+    def backward(self, layer, grad_y: Tensor, x: Tensor, parameters, saved, needs_x: bool, needs_parameters):
+        """centered_dot_and_sum -> the backward kernel (p, q and every parameter's gradient; SyncSN's gradient
+        of the pooled sums first, added up over the processes) -> grad_input."""
+        moments, affine, pooled = saved
+        passes = self.passes
+        n, c = passes.vector_shape
+        weight, bias, mean_weight, var_weight = parameters
+        grads = [torch.empty_like(weight), torch.empty_like(bias), torch.empty_like(mean_weight)]
+        grads.append(torch.empty_like(var_weight))
+        radius, _, mean_fixed, var_fixed, _, _ = self.sparsity(layer._buffers) if self.sparsity else (moments,) * 6
+        sums = passes.centered_dot_and_sum(grad_y, x, moments)
+        pq = passes.block(moments, 2)
+        arguments = (moments, affine, sums, weight, mean_weight, var_weight, radius, mean_fixed, var_fixed, pooled)
         grad_pooled = moments  # read only when pooled
-        if self.bn_source == _POOLED:  # this process's gradient of the pooled sums, added up as the autograd path does
+        if self.bn_source is POOLED:  # this process's gradient of the pooled sums, added up as the autograd path does
             grad_pooled = torch.empty_like(pooled)
-            constants = dict(self.backward_constants, BN_GRAD=_POOLED_SUMS)
             launch(
                 _backward_kernel,
                 self.grid,
                 (*arguments, grad_pooled, pq, *grads, n, c, float(self.spatial), layer.eps),
-                constants,
+                self.pooled_gradient_constants,
             )
             dist.all_reduce(grad_pooled)
         launch(
@@ -843,22 +884,28 @@ class SwitchableKernels:
             (*arguments, grad_pooled, pq, *grads, n, c, float(self.spatial), layer.eps),
             self.backward_constants,
         )
-        return pq, grads
+        return passes.grad_input(grad_y, x, affine, pq, moments, True) if needs_x else None, grads
 
 
 class SwitchableClosedForms:
-    """SN's closed forms as tensor operations, for inputs of one signature (``moment_normalizer.FusedPlan``; the module
-    docstring's equations, in the statistics dtype)."""
-
-    passes = TorchPasses
+    """SN's closed forms as tensor operations, for inputs of one signature (``fused.FusedPlan``; the module
+    docstring's equations, in the statistics dtype), around ``map_passes.TorchPasses``."""
 
     def __init__(self, layer, x: Tensor):
         n, _, h, w = x.shape
         self.spatial = h * w
         self.batch_stats = layer.training and layer.use_bn
         self.count = float(n * h * w)
+        self.fix = layer.branch_mapping == "sparsestmax" and layer.training  # SSN's rule, as the kernels'
 
-    def forward(self, layer, parameters, moments):
+    def forward(self, layer, x: Tensor, parameters, save: bool):
+        if self.fix and not is_replaying():
+            layer.fix_one_hot_weights(stat_dtype(x))
+        moments = TorchPasses.moments(x, save)
+        affine, saved = self._statistics(layer, parameters, moments)
+        return TorchPasses.scale_shift(x, affine, moments), (moments, affine, saved) if save else None
+
+    def _statistics(self, layer, parameters, moments):
         mean, var = moments[0], moments[1]
         weight, bias = parameters[:2]
         a, b = layer.branch_weights(mean.dtype)
@@ -884,10 +931,11 @@ class SwitchableClosedForms:
         shift = bias.to(mean.dtype) - offset * scale
         return (scale, shift), (r, offset, to_ln, var_ln, to_bn, var_bn, a, b)
 
-    def backward(self, layer, parameters, moments, affine, saved, sums):
+    def backward(self, layer, grad_y: Tensor, x: Tensor, parameters, saved, needs_x: bool, needs_parameters):
+        moments, affine, saved = saved
         mean, var = moments[0], moments[1]
         scale = affine[0]
-        dot, total = sums
+        dot, total = TorchPasses.centered_dot_and_sum(grad_y, x, moments)
         r, offset, to_ln, var_ln, to_bn, var_bn, a, b = saved
         n, c = mean.shape
         e = dot - total * offset
@@ -908,4 +956,5 @@ class SwitchableClosedForms:
                 grad_v = grad_v + b[2] * column_g / n
         grads = [(e * r).sum(0), total.sum(0), *layer.logit_gradients(a, b, torch.stack(grad_a), torch.stack(grad_b))]
         grads = [grad.to(parameter.dtype) for grad, parameter in zip(grads, parameters)]
-        return (2 * grad_v / self.spatial, grad_m / self.spatial), grads
+        pq = (2 * grad_v / self.spatial, grad_m / self.spatial)
+        return TorchPasses.grad_input(grad_y, x, affine, pq, moments, True) if needs_x else None, grads

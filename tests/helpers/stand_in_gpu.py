@@ -1,6 +1,6 @@
 """Triton's real JIT (argument binding, specialization, its kernel cache) over a stand-in for the GPU, on any
-machine with a Triton of ``kernel_launch.TRITON_VERSIONS``: its compiled kernels record what their launcher is
-called with instead of launching, so that which path ``kernel_launch.launch`` takes, and what it hands the
+machine with a Triton of ``kernels.TRITON_VERSIONS``: its compiled kernels record what their launcher is
+called with instead of launching, so that which path ``kernels.launch`` takes, and what it hands the
 launcher, can be observed without a GPU (tests/kernels)."""
 
 import contextlib

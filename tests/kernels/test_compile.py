@@ -4,7 +4,7 @@ loop-carried values, power-of-two ranges, constexpr specializations of integers 
 
 The layers run here under the interpreter, in training and evaluation, with and without gradients (for x
 too), fp32 / fp16 / bf16, NCHW and channels_last, on shapes that take different tile sizes; each launch's
-signature is recorded where ``kernel_launch.observed_launches`` sees it, and a subprocess without the
+signature is recorded where ``kernels.observed_launches`` sees it, and a subprocess without the
 interpreter compiles every distinct one.
 """
 
@@ -24,7 +24,7 @@ if not INTERPRET:
     pytest.skip("on a GPU the other tests compile and run the kernels", allow_module_level=True)
 
 from sn_detection.layers import NORM_NAMES, build_norm, norm_options, switchable, switchable_kernels  # noqa: E402
-from sn_detection.layers.kernel_launch import observed_launches  # noqa: E402  (after the skip)
+from sn_detection.layers.kernels import observed_launches  # noqa: E402  (after the skip)
 
 _TYPES = {
     torch.float32: "*fp32",

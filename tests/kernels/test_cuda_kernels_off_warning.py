@@ -1,4 +1,4 @@
-"""On a GPU, the layers' warning about a missing Triton 3 (``map_passes.warn_if_kernels_off``) on real CUDA
+"""On a GPU, the layers' warning about a missing Triton 3 (``kernels.warn_if_kernels_off``) on real CUDA
 tensors: silent where the kernels run, once where Triton 3 is taken away (tests/layers/test_kernels_off_warning.py
 checks the rest on the CPU)."""
 
@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from sn_detection.layers import NORM_NAMES, build_norm, map_passes
+from sn_detection.layers import NORM_NAMES, build_norm, kernels
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
@@ -23,12 +23,12 @@ def kernels_off_warnings():
             layer = build_norm(name, 8).cuda()
             for shape in ((2, 8, 3, 4), (3, 8, 5, 5)):
                 layer(torch.randn(shape, device="cuda")).sum().backward()
-    return [w for w in caught if issubclass(w.category, map_passes.KernelsOffWarning)]
+    return [w for w in caught if issubclass(w.category, kernels.KernelsOffWarning)]
 
 
 def test_cuda_inputs_warn_once_only_without_triton_3(monkeypatch):
-    monkeypatch.setattr(map_passes, "_warned_kernels_off", False)  # another test may have warned in this process
-    assert map_passes.kernel_path(torch.empty(2, 8, 3, 4, device="cuda")), "the GPU checks need Triton 3 or newer"
+    monkeypatch.setattr(kernels, "_warned_kernels_off", False)  # another test may have warned in this process
+    assert kernels.kernel_path(torch.empty(2, 8, 3, 4, device="cuda")), "the GPU checks need Triton 3 or newer"
     assert kernels_off_warnings() == []
-    monkeypatch.setattr(map_passes, "_TRITON", False)
+    monkeypatch.setattr(kernels, "_TRITON", False)
     assert len(kernels_off_warnings()) == 1

@@ -1,4 +1,4 @@
-"""``kernel_launch``: once Triton's JIT has run a kernel for a specialization, later launches with the same
+"""``kernels``: once Triton's JIT has run a kernel for a specialization, later launches with the same
 launch key go straight to that compiled kernel, with the same results bit for bit.
 
 Anywhere (with a Triton version of ``TRITON_VERSIONS``):
@@ -29,12 +29,12 @@ import triton.language as tl
 from stand_in_gpu import stand_in_jit
 
 from sn_detection.benchmarks.launch_counts import recorded_kernels
-from sn_detection.layers import NORM_NAMES, build_norm, kernel_launch
-from sn_detection.layers.kernel_launch import counts, launch_key, ordinary_launches
+from sn_detection.layers import NORM_NAMES, build_norm, kernels
+from sn_detection.layers.kernels import counts, launch_key, ordinary_launches
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CUDA = torch.cuda.is_available() and not INTERPRET
-READ_VERSION = triton.__version__ in kernel_launch.TRITON_VERSIONS
+READ_VERSION = triton.__version__ in kernels.TRITON_VERSIONS
 needs_cuda = pytest.mark.skipif(not CUDA, reason="the direct launch exists on CUDA only (without the interpreter)")
 
 
@@ -49,10 +49,10 @@ _scaled_copy_kernel = triton.jit(_scaled_copy)
 
 
 def scaled_copy(x, n, block):
-    """y = 2 x on the first n elements of x (the rest of y NaN), through ``kernel_launch.launch``; each test
+    """y = 2 x on the first n elements of x (the rest of y NaN), through ``kernels.launch``; each test
     takes a block size of its own, so that its launch keys are its own."""
     y = torch.full_like(x, float("nan"))
-    kernel_launch.launch(_scaled_copy_kernel, (kernel_launch.cdiv(n, block),), (x, y, n, 2.0), {"BLOCK": block})
+    kernels.launch(_scaled_copy_kernel, (kernels.cdiv(n, block),), (x, y, n, 2.0), {"BLOCK": block})
     return y
 
 
@@ -187,10 +187,10 @@ def stand_in_calls():
 
 
 def launched_on_stand_in(kernel, launches, calls):
-    """(kernel number, launcher arguments) of each call, launched through ``kernel_launch.launch``."""
+    """(kernel number, launcher arguments) of each call, launched through ``kernels.launch``."""
     start = len(launches)
     for grid, args, meta in calls:
-        kernel_launch.launch(kernel, grid, args, meta)
+        kernels.launch(kernel, grid, args, meta)
     return launches[start:]
 
 
@@ -382,13 +382,13 @@ def test_a_triton_version_outside_the_list_takes_the_ordinary_path():
     script = textwrap.dedent("""
         import json, torch, triton
         triton.__version__ = "3.7.0"  # one whose internals were not read
-        from sn_detection.layers import build_norm, kernel_launch
+        from sn_detection.layers import build_norm, kernels
         layer = build_norm("SN", 64).cuda()
         x = torch.randn(2, 64, 12, 20, device="cuda", requires_grad=True)
         for _ in range(3):
             layer(x).backward(torch.ones_like(x))
         torch.cuda.synchronize()
-        print(json.dumps([kernel_launch.counts.direct, kernel_launch.counts.ordinary]))
+        print(json.dumps([kernels.counts.direct, kernels.counts.ordinary]))
     """)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))

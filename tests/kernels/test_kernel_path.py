@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from sn_detection.layers import build_norm, map_passes
+from sn_detection.layers import build_norm, kernels, map_passes, moment_normalizer
 from sn_detection.layers.moment_normalizer import reference_normalize_by_moments
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -55,18 +55,16 @@ def assert_same(actual, expected, tolerance):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Each Triton pass's calls (``map_passes.TritonPasses``): the dtype of the full-size tensor each one read first."""
+    """Each Triton pass's calls (``kernels.TritonPasses``): the dtype of the full-size tensor each one read first."""
     reads = {kernel: [] for kernel in KERNELS}
-    # the fused path's moments come with their residuals: the same kernel
-    methods = {kernel: kernel for kernel in KERNELS} | {"moments_and_residual": "moments"}
-    for method, kernel in methods.items():
-        original = getattr(map_passes.TritonPasses, method)
+    for kernel in KERNELS:
+        original = getattr(kernels.TritonPasses, kernel)
 
         def recorded(self, tensor, *args, kernel=kernel, original=original, **kwargs):
             reads[kernel].append(tensor.dtype)
             return original(self, tensor, *args, **kwargs)
 
-        monkeypatch.setattr(map_passes.TritonPasses, method, recorded)
+        monkeypatch.setattr(kernels.TritonPasses, kernel, recorded)
     return reads
 
 
@@ -81,7 +79,7 @@ def test_the_kernel_path_gives_the_fast_paths_and_the_references_values(name, la
     assert all(calls[kernel] for kernel in KERNELS), calls
 
     assert_same(on_kernels, run(copy.deepcopy(layer), x, grad_y, reference), TOLERANCE[torch.float32])
-    monkeypatch.setattr(map_passes, "_TRITON", False)  # the PyTorch fast path
+    monkeypatch.setattr(kernels, "_TRITON", False)  # the PyTorch fast path
     before = {kernel: len(reads) for kernel, reads in calls.items()}
     assert_same(on_kernels, run(copy.deepcopy(layer), x, grad_y), TOLERANCE[torch.float32])
     assert {kernel: len(reads) for kernel, reads in calls.items()} == before
@@ -111,8 +109,8 @@ def test_vectors_from_outside_a_plan_are_checked_before_the_kernels_read_them():
     x = torch.randn(2, 3, 4, 5).to(DEVICE)
     vector, wide = torch.ones(2, 3, device=DEVICE), torch.ones(2, 3, dtype=torch.float64, device=DEVICE)
     with torch.no_grad():
-        over = map_passes.passes_for(x)
-        assert isinstance(over, map_passes.TritonPasses)
+        over = moment_normalizer.passes_for(x)
+        assert isinstance(over, kernels.TritonPasses)
         with pytest.raises(ValueError, match="float32"):
             over.block_of(vector, wide)
         with pytest.raises(ValueError, match="float32"):
@@ -120,4 +118,4 @@ def test_vectors_from_outside_a_plan_are_checked_before_the_kernels_read_them():
         center = torch.ones(3, device=DEVICE).expand(2, 3)  # stride 0 along N, as autograd may hand over
         y = over.scale_shift(x, over.block_of(2 * vector, vector), over.block_of(center))
         torch.testing.assert_close(y, (x - 1) * 2 + 1)
-    assert map_passes.passes_for(x) is map_passes.TorchPasses  # autograd records the passes
+    assert moment_normalizer.passes_for(x) is map_passes.TorchPasses  # autograd records the passes

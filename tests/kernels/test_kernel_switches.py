@@ -1,4 +1,4 @@
-"""The switches of the Triton path where they act (``kernel_launch``'s module docstring), each in processes
+"""The switches of the Triton path where they act (``kernels``'s module docstring), each in processes
 of its own since they are read at import:
 
 - ``SN_DETECTION_KERNELS=0``: every layer's training step on a tensor the kernels take (CUDA, or the CPU
@@ -17,12 +17,12 @@ import pytest
 import torch
 import triton
 
-from sn_detection.layers import NORM_NAMES, kernel_launch, map_passes
+from sn_detection.layers import NORM_NAMES, kernels
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HELPERS = os.path.join(REPO, "tests", "helpers")
-SWITCHES = (map_passes.KERNELS_VARIABLE, kernel_launch.DIRECT_LAUNCH_VARIABLE)
+SWITCHES = (kernels.KERNELS_VARIABLE, kernels.DIRECT_LAUNCH_VARIABLE)
 
 
 def run_python(script: str, **variables: str) -> dict:
@@ -42,7 +42,7 @@ def run_python(script: str, **variables: str) -> dict:
 TRAINING_STEPS = """
     import json
     import torch
-    from sn_detection.layers import NORM_NAMES, build_norm, map_passes
+    from sn_detection.layers import NORM_NAMES, build_norm, kernels
     from sn_detection.benchmarks.launch_counts import count_training_step
 
     device = "{device}"
@@ -60,7 +60,7 @@ TRAINING_STEPS = """
         y.backward(grad_y)
         torch.save({{"y": y.detach().cpu(), "grad_x": x.grad.cpu()}}, "{folder}/" + name + ".pt")
         triton = sum(number for op, number in counts.operations.items() if op.startswith("triton:"))
-        results[name] = {{"triton": triton, "launches": counts.launches, "kernel_path": map_passes.kernel_path(x)}}
+        results[name] = {{"triton": triton, "launches": counts.launches, "kernel_path": kernels.kernel_path(x)}}
     print(json.dumps(results))
 """
 
@@ -84,25 +84,25 @@ def test_kernels_off_runs_every_layer_without_a_triton_kernel_and_computes_the_s
             torch.testing.assert_close(torch_path[key], kernels[key], rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
 
 
-# three launches of one call through kernel_launch.launch, on Triton's JIT over a stand-in for the GPU
+# three launches of one call through kernels.launch, on Triton's JIT over a stand-in for the GPU
 STAND_IN_LAUNCHES = """
     import json
     import torch
     from stand_in_gpu import stand_in_jit
-    from sn_detection.layers import kernel_launch
+    from sn_detection.layers import kernels
 
     x, y = torch.zeros(256), torch.zeros(256)
     with stand_in_jit() as (kernel, launches):
         for _ in range(3):
-            kernel_launch.launch(kernel, (2,), (x, y, 200, 2.0), {"BLOCK": 128})
-    counts = kernel_launch.counts
+            kernels.launch(kernel, (2,), (x, y, 200, 2.0), {"BLOCK": 128})
+    counts = kernels.counts
     print(json.dumps({"direct": counts.direct, "ordinary": counts.ordinary, "launched": len(launches),
-                      "direct_launch": kernel_launch.direct_launch()}))
+                      "direct_launch": kernels.direct_launch()}))
 """
 
 
 @pytest.mark.skipif(
-    triton.__version__ not in kernel_launch.TRITON_VERSIONS,
+    triton.__version__ not in kernels.TRITON_VERSIONS,
     reason=f"Triton {triton.__version__} takes the ordinary path only",
 )
 def test_direct_launch_off_takes_tritons_ordinary_path_for_every_launch():

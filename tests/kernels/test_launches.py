@@ -83,7 +83,7 @@ def test_no_layer_waits_for_the_device(name, n, training):
 
 
 def test_skipped_launches_run_no_kernel_and_end_with_the_block():
-    from sn_detection.layers.kernel_launch import skipped_launches
+    from sn_detection.layers.kernels import skipped_launches
 
     x, grad_y = features()
     layer = build_norm("SN", 64).to(DEVICE)

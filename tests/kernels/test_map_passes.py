@@ -18,8 +18,8 @@ import textwrap
 import pytest
 import torch
 
-from sn_detection.layers import kernel_launch
-from sn_detection.layers.map_passes import TritonPasses
+from sn_detection.layers import kernels
+from sn_detection.layers.kernels import TritonPasses
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -182,7 +182,7 @@ def test_the_residual_holds_what_rounding_took_off_the_mean(layout):
     x = x.to(DEVICE).contiguous(memory_format=layout)
     exact = x.double().mean((2, 3))
     over = TritonPasses(x)
-    moments = over.moments_and_residual(x)
+    moments = over.moments(x, True)
     mean, var, residual = moments
     plain_mean, plain_var = _moments(x)
     assert torch.equal(mean, plain_mean) and torch.equal(var, plain_var)
@@ -266,13 +266,13 @@ def test_grad_y_is_taken_in_x_layout(layout):
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors run only under the interpreter")
 def test_cpu_tensors_without_interpreter_raise(monkeypatch):
-    monkeypatch.setattr(kernel_launch, "_INTERPRET", False)
+    monkeypatch.setattr(kernels, "_INTERPRET", False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         TritonPasses(torch.zeros(1, 1, 2, 2))
 
 
 def test_available():
-    assert kernel_launch.available()
+    assert kernels.available()
 
 
 # Compiled by Triton for an H100 (sm_90), without a GPU and without the interpreter, in a subprocess: the
@@ -283,7 +283,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from sn_detection.layers import map_passes as K
+    from sn_detection.layers import kernels as K
 
     kernels = [K._moments_kernel, K._centered_dot_and_sum_kernel, K._scale_shift_kernel, K._grad_input_kernel]
     full_size = {"x_ptr", "y_ptr", "gy_ptr", "gx_ptr"}

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from sn_detection.benchmarks.launch_counts import count_training_step, recorded_kernels
-from sn_detection.layers import build_norm, map_passes, mode_kernels
+from sn_detection.layers import build_norm, kernels, mode_kernels
 from sn_detection.layers.moment_normalizer import reference_normalize_by_moments
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -246,7 +246,7 @@ def test_large_channel_means_keep_fp32_accuracy(name, training, gates, monkeypat
     fused = run(copy.deepcopy(layer), x, grad_y)
     assert mode_kernels_of(launched) == list(KERNELS[name]), launched
     exact = run_float64(layer, x, grad_y)
-    monkeypatch.setattr(map_passes, "_TRITON", False)  # the PyTorch path, float64 sums and all
+    monkeypatch.setattr(kernels, "_TRITON", False)  # the PyTorch path, float64 sums and all
     existing = run(copy.deepcopy(layer), x, grad_y)
     fused_errors, existing_errors = errors(fused, exact), errors(existing, exact)
     floor = 1e4 * 2.0**-24 * 4

@@ -1,4 +1,4 @@
-"""PONO on its Triton kernels (``positional_kernels``) against the layer's tensor path (``_autograd_forward``)
+"""PONO on its Triton kernels (``positional_kernels``) against the layer's tensor path (``plain_forward``)
 and a float64 computation: output and every gradient, fp32 / fp16 / bf16, NCHW and channels_last, shapes
 that take different tilings (one image, 1x1 maps, one channel, C = 2048, several pixel blocks, more programs
 than the parameter-gradient kernel sums in one step), channel means 1e4 times the spread, create_graph, a
@@ -42,7 +42,7 @@ def inputs(shape, dtype=torch.float32, layout=NCHW, seed=1, mean=0.7, spread=1.5
 
 
 def tensor_path(layer, x):
-    return layer._autograd_forward(x)
+    return layer.plain_forward(x)
 
 
 def run(layer, x, grad_y, forward=None):

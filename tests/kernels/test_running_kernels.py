@@ -1,4 +1,4 @@
-"""The running-statistics rule in the kernels (``running_kernels``) against the torch path's
+"""The running-statistics rule in the kernels (``kernels``' running update) against the torch path's
 (``running.update_running_moments``) and torch's BatchNorm2d: every layer with running statistics, with a
 momentum and with ``momentum=None`` (the cumulative average), on shapes that take several programs (each
 program takes a ticket for the cumulative average's count).
@@ -40,7 +40,7 @@ def autograd_path(layer, x):
     if hasattr(layer, "scale_and_shift"):
         affine = functools.partial(layer.scale_and_shift, spatial_size=x.shape[2] * x.shape[3])
         return reference_normalize_by_moments(x, affine)
-    return layer._autograd_forward(x)
+    return layer.plain_forward(x)
 
 
 @pytest.mark.parametrize("momentum", [0.3, None], ids=["momentum", "cumulative"])

@@ -17,7 +17,8 @@ import torch
 
 from sn_detection.benchmarks.launch_counts import count_dispatch, count_training_step
 from sn_detection.layers import build_norm
-from sn_detection.layers.moment_normalizer import fused_normalize, reference_normalize_by_moments
+from sn_detection.layers.fused import fused_normalize
+from sn_detection.layers.moment_normalizer import reference_normalize_by_moments
 from sn_detection.layers.switchable_kernels import SwitchableClosedForms, SwitchableKernels
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

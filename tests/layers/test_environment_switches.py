@@ -1,4 +1,4 @@
-"""The switches of the Triton path (``kernel_launch``'s module docstring) as the layers read them, on the
+"""The switches of the Triton path (``kernels``'s module docstring) as the layers read them, on the
 reference stack: an environment variable read once, when the layers are imported, 0 or 1 (unset: 1), any
 other value refused at import with the variable and its values named. ``SN_DETECTION_KERNELS=0`` takes CUDA
 tensors off the kernel path and silences the warning of a missing Triton 3.
@@ -15,10 +15,10 @@ import textwrap
 
 import pytest
 
-from sn_detection.layers import kernel_launch, map_passes
+from sn_detection.layers import kernels
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SWITCHES = (map_passes.KERNELS_VARIABLE, kernel_launch.DIRECT_LAUNCH_VARIABLE)
+SWITCHES = (kernels.KERNELS_VARIABLE, kernels.DIRECT_LAUNCH_VARIABLE)
 
 
 def run_python(script: str, **variables: str) -> subprocess.CompletedProcess:
@@ -39,14 +39,14 @@ def test_a_switch_is_on_unless_it_is_0(value, on, monkeypatch):
         monkeypatch.delenv("SN_DETECTION_TEST_SWITCH", raising=False)
     else:
         monkeypatch.setenv("SN_DETECTION_TEST_SWITCH", value)
-    assert kernel_launch.environment_switch("SN_DETECTION_TEST_SWITCH", off="off", on="on") is on
+    assert kernels.environment_switch("SN_DETECTION_TEST_SWITCH", off="off", on="on") is on
 
 
 @pytest.mark.parametrize("value", ["yes", "false", "2", "on"])
 def test_any_other_value_is_refused_naming_the_variable_and_its_values(value, monkeypatch):
     monkeypatch.setenv("SN_DETECTION_TEST_SWITCH", value)
     with pytest.raises(ValueError) as error:
-        kernel_launch.environment_switch("SN_DETECTION_TEST_SWITCH", off="what 0 does", on="what 1 does")
+        kernels.environment_switch("SN_DETECTION_TEST_SWITCH", off="what 0 does", on="what 1 does")
     assert str(error.value) == (
         f"SN_DETECTION_TEST_SWITCH={value!r} is invalid: set it to 0 (what 0 does) or 1 (what 1 does; the "
         "default), or leave it unset"
@@ -66,7 +66,7 @@ def test_a_bad_value_stops_the_import(variable):
 LAYERS_ON_CUDA = """
     import json, warnings
     import torch
-    from sn_detection.layers import NORM_NAMES, build_norm, map_passes
+    from sn_detection.layers import NORM_NAMES, build_norm, kernels
 
     class CudaLooking(torch.Tensor):
         @property
@@ -75,17 +75,17 @@ LAYERS_ON_CUDA = """
 
     planned = [name for name in NORM_NAMES if name != "GN"]
     x = torch.randn(2, 8, 3, 4).as_subclass(CudaLooking)
-    map_passes._TRITON = True
-    on_kernel_path_with_triton_3 = map_passes.kernel_path(x)
+    kernels._TRITON = True
+    on_kernel_path_with_triton_3 = kernels.kernel_path(x)
     if not on_kernel_path_with_triton_3:  # the PyTorch path: every layer runs on the CPU tensor behind x
         outputs = [build_norm(name, 8).train(training)(x) for name in planned for training in (True, False)]
-    map_passes._TRITON = False  # a Triton older than 3, or none (the reference stack has 2.3.1)
+    kernels._TRITON = False  # a Triton older than 3, or none (the reference stack has 2.3.1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for name in planned:
             for training in (True, False):
                 build_norm(name, 8).train(training)(x)
-    warned = [str(w.message) for w in caught if issubclass(w.category, map_passes.KernelsOffWarning)]
+    warned = [str(w.message) for w in caught if issubclass(w.category, kernels.KernelsOffWarning)]
     print(json.dumps({"kernel_path": on_kernel_path_with_triton_3, "warned": warned}))
 """
 
@@ -99,6 +99,6 @@ def layers_on_cuda(**variables):
 def test_kernels_off_takes_cuda_inputs_off_the_kernel_path_without_a_warning():
     default, off = layers_on_cuda(), layers_on_cuda(SN_DETECTION_KERNELS="0")
     assert default["kernel_path"] and not off["kernel_path"]
-    assert len(default["warned"]) == 1 and f"set {map_passes.KERNELS_VARIABLE}=0" in default["warned"][0]
+    assert len(default["warned"]) == 1 and f"set {kernels.KERNELS_VARIABLE}=0" in default["warned"][0]
     assert off["warned"] == []  # asked for: nothing to warn of
     assert layers_on_cuda(SN_DETECTION_KERNELS="1")["kernel_path"]

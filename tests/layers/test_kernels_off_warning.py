@@ -1,5 +1,5 @@
 """A CUDA input in a process without Triton 3 runs the layers' PyTorch path, and the first layer to plan a
-call on one says so, once per process, naming the cause and the fix (``map_passes.warn_if_kernels_off``).
+call on one says so, once per process, naming the cause and the fix (``kernels.warn_if_kernels_off``).
 
 No GPU here: a CPU tensor that reports ``is_cuda`` stands for a CUDA input, which is all the layers read
 of it while they decide their path (tests/kernels/test_cuda_kernels_off_warning.py repeats the check on a GPU)."""
@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from sn_detection.layers import NORM_NAMES, build_norm, kernel_launch, map_passes
+from sn_detection.layers import NORM_NAMES, build_norm, kernels
 
 PLANNED = [name for name in NORM_NAMES if name != "GN"]  # GN is torch's GroupNorm: no kernels, no plans
 
@@ -30,9 +30,9 @@ def cuda_looking(*shape):
 @pytest.fixture
 def triton_2(monkeypatch):
     """A process with Triton 2.3.1 (the reference stack's) that has not warned yet."""
-    monkeypatch.setattr(kernel_launch, "triton", types.SimpleNamespace(__version__="2.3.1"))
-    monkeypatch.setattr(map_passes, "_TRITON", False)
-    monkeypatch.setattr(map_passes, "_warned_kernels_off", False)
+    monkeypatch.setattr(kernels, "triton", types.SimpleNamespace(__version__="2.3.1"))
+    monkeypatch.setattr(kernels, "_TRITON", False)
+    monkeypatch.setattr(kernels, "_warned_kernels_off", False)
 
 
 def warned_by(run):
@@ -40,7 +40,7 @@ def warned_by(run):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run()
-    return [str(w.message) for w in caught if issubclass(w.category, map_passes.KernelsOffWarning)]
+    return [str(w.message) for w in caught if issubclass(w.category, kernels.KernelsOffWarning)]
 
 
 def run_every_layer(make_input):
@@ -65,7 +65,7 @@ def test_cuda_inputs_without_triton_3_warn_once_across_calls_and_layers(triton_2
 
 
 def test_the_warning_names_a_missing_triton(triton_2, monkeypatch):
-    monkeypatch.setattr(kernel_launch, "triton", None)
+    monkeypatch.setattr(kernels, "triton", None)
     messages = warned_by(lambda: build_norm("SN", 8)(cuda_looking(2, 8, 3, 4)))
     assert len(messages) == 1 and "Triton is not installed" in messages[0], messages
 
@@ -77,15 +77,15 @@ def test_cpu_inputs_do_not_warn(triton_2):
 
 def test_cuda_inputs_with_triton_3_do_not_warn(triton_2, monkeypatch):
     x = cuda_looking(2, 8, 3, 4)
-    monkeypatch.setattr(map_passes, "_TRITON", True)  # a layer would launch its kernels: the check alone runs
-    assert warned_by(lambda: map_passes.warn_if_kernels_off(x)) == []
-    monkeypatch.setattr(map_passes, "_TRITON", False)
-    assert len(warned_by(lambda: map_passes.warn_if_kernels_off(x))) == 1
+    monkeypatch.setattr(kernels, "_TRITON", True)  # a layer would launch its kernels: the check alone runs
+    assert warned_by(lambda: kernels.warn_if_kernels_off(x)) == []
+    monkeypatch.setattr(kernels, "_TRITON", False)
+    assert len(warned_by(lambda: kernels.warn_if_kernels_off(x))) == 1
 
 
 def test_the_check_runs_on_a_new_input_signature_only(triton_2, monkeypatch):
     checked = []
-    monkeypatch.setattr(map_passes, "warn_if_kernels_off", lambda x: checked.append(tuple(x.shape)))
+    monkeypatch.setattr(kernels, "warn_if_kernels_off", lambda x: checked.append(tuple(x.shape)))
     layer = build_norm("SN", 8)
     for _ in range(5):
         layer(cuda_looking(2, 8, 3, 4))

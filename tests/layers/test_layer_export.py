@@ -1,4 +1,4 @@
-"""Every layer exports, in evaluation mode, with the exporters detectron2 users take (``map_passes.exporting``):
+"""Every layer exports, in evaluation mode, with the exporters detectron2 users take (``base.exporting``):
 
 - ``torch.onnx.export`` (the TorchScript-based exporter, opset 17, N, H and W dynamic), called with grad
   enabled as users call it and under no_grad: onnxruntime runs the graph and gives PyTorch's outputs within

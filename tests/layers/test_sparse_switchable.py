@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from sn_detection.layers import SparseSwitchableNorm2d, SyncSparseSwitchableNorm2d, build_norm
+from sn_detection.layers.fused import replaying
 from sn_detection.layers.moment_normalizer import reference_normalize_by_moments
-from sn_detection.layers.running import replaying
 from sn_detection.layers.sparse_switchable import linear_radius, set_radius, sparsemax, sparsestmax
 from sn_detection.layers.switchable_kernels import SwitchableClosedForms
 
