@@ -15,8 +15,9 @@ other images, so that every layer evaluates as a trained one does. Two images of
 
 - ``backbone``: the backbone and FPN on the batch;
 - ``mask_rcnn``: the whole model's inference with 100 proposals per image (``PROPOSALS``; the model zoo's
-  1000 take 20 s an image through the box head on one CPU thread) and the score threshold at 0, so that
-  every setting sends 100 detections per image through the mask head, whatever its weights;
+  1000 take 20 s an image through the box head on one CPU thread), and neither NMS nor a score threshold,
+  so that every setting sends 100 boxes per image through the box head and 100 detections through the mask
+  head, whatever its weights;
 - ``onnx``: that inference exported as ``tools/export_model.py --fold`` exports it (tracing, ONNX opset 17)
   and run by onnxruntime's CPU provider with the same number of threads, one image per run (the exported
   graph takes one image): the folded models, beside GN as built.
@@ -151,6 +152,9 @@ def main(argv: Sequence[str] | None = None) -> list:
     fixed = [
         "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0", "MODEL.BACKBONE.FREEZE_AT", "0", "MODEL.WEIGHTS", "",
         "MODEL.RPN.POST_NMS_TOPK_TEST", str(PROPOSALS), "TEST.DETECTIONS_PER_IMAGE", str(PROPOSALS),
+        # no suppression: every setting's heads see PROPOSALS boxes per image whatever its weights (with them
+        # at their initialisation, NMS keeps as many boxes as their overlaps allow, which the norm changes)
+        "MODEL.RPN.NMS_THRESH", "1.0", "MODEL.ROI_HEADS.NMS_THRESH_TEST", "1.0",
     ]  # fmt: skip
     base = load_cfg(args.config_file, fixed + args.opts)
     cfgs = norm_setting_cfgs(base, args.norms, NORM_KEYS)
