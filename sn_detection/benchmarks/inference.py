@@ -3,7 +3,7 @@ as built and folded (``d2.fold_norms``), in PyTorch and, for the whole model, in
 
 Not a test: a measurement to run by hand, on CPU and, when available, CUDA:
 
-    tools/benchmark_inference.py [--norms GN,SN,DN,MN,MGN,BNSR,PONO,FrozenBN] [--rounds 5] [--threads 1]
+    tools/benchmark_inference.py [--norms GN,SN,SSN,DN,MN,MGN,BNSR,PONO,FrozenBN] [--rounds 5] [--threads 1]
                                  [--size 320,384] [--parts backbone,mask_rcnn,onnx] [--json out.json]
                                  [--config-file configs/mask_rcnn_gn_2x.yaml] [KEY VALUE ...]
 
@@ -45,6 +45,7 @@ from .. import d2
 from ..engine.arguments import create_folder_of, positive_int
 from ..engine.export import export
 from ..engine.launch import load_cfg
+from ..layers.sparse_switchable import set_radius, sparse_switchable_layers
 from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_setting_cfgs, range_text, ratio_to
 
 NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config-file", default="configs/mask_rcnn_gn_2x.yaml")
     parser.add_argument(
-        "--norms", default="GN,SN,DN,MN,MGN,BNSR,PONO,FrozenBN", help=f"comma-separated; {REFERENCE} always"
+        "--norms", default="GN,SN,SSN,DN,MN,MGN,BNSR,PONO,FrozenBN", help=f"comma-separated; {REFERENCE} always"
     )
     parser.add_argument("--rounds", type=positive_int, default=5, help=f"timed rounds (after {WARMUP_ROUNDS} warm-up)")
     parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads (1)")
@@ -96,9 +97,17 @@ def images(size: tuple[int, int], count: int, seed: int) -> list[torch.Tensor]:
 
 def trained_like(cfg, size) -> torch.nn.Module:
     """The model of ``cfg`` with running statistics and gates from ``WARM_FORWARDS`` training-mode forwards of
-    the backbone (module docstring), in evaluation mode."""
+    the backbone (module docstring), in evaluation mode. SSN's layers end as training ends them, each with one
+    normalizer for its means and one for its variances: random logits, SparsestMax's radius at 1 (one-hot
+    weights), fixed."""
     torch.manual_seed(cfg.SEED if cfg.SEED >= 0 else 0)
     model = build_model(cfg)
+    set_radius(model, 1.0)
+    with torch.no_grad():
+        for layer in sparse_switchable_layers(model):
+            layer.mean_weight.normal_()
+            layer.var_weight.normal_()
+            layer.fix_one_hot_weights()
     model.backbone.train()
     with torch.no_grad():
         for seed in range(WARM_FORWARDS):
