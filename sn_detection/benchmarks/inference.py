@@ -11,7 +11,8 @@ Every setting is the config's R50-FPN Mask R-CNN (by default the model zoo's mas
 256-wide FPN and heads) with one norm at MODEL.RESNETS.NORM, MODEL.FPN.NORM, MODEL.ROI_BOX_HEAD.NORM and
 MODEL.ROI_MASK_HEAD.NORM, no stage frozen, the same architecture otherwise; FrozenBN is the floor. The
 weights are the initialisation, with running statistics and gates from three training-mode forwards of
-other images, so that every layer evaluates as a trained one does. Two images of ``--size`` pixels (H, W):
+other images, so that every layer evaluates as a trained one does (FrozenBN: BatchNorm's, then frozen).
+Two images of ``--size`` pixels (H, W):
 
 - ``backbone``: the backbone and FPN on the batch;
 - ``mask_rcnn``: the whole model's inference with 100 proposals per image (``PROPOSALS``; the model zoo's
@@ -39,6 +40,7 @@ import tempfile
 from collections.abc import Sequence
 
 import torch
+from detectron2.layers import FrozenBatchNorm2d
 from detectron2.modeling import build_model
 
 from .. import d2
@@ -52,6 +54,7 @@ NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", 
 REFERENCE = "GN"
 FOLDED = " folded"
 PARTS = ("backbone", "mask_rcnn", "onnx")
+FROZEN_BN = "FrozenBN"
 WARM_FORWARDS = 3  # training-mode forwards that give running statistics and gates their trained role
 # proposals (and detections) per image: the box head's four convolutions over 1000 RoIs take 20 s an image on
 # one CPU thread; 100 keep every head's norms in the time at a tenth of it
@@ -103,6 +106,9 @@ def trained_like(cfg, size) -> torch.nn.Module:
     torch.manual_seed(cfg.SEED if cfg.SEED >= 0 else 0)
     model = build_model(cfg)
     set_radius(model, 1.0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.momentum = None  # the warm forwards' average (FrozenBN's statistics)
     with torch.no_grad():
         for layer in sparse_switchable_layers(model):
             layer.mean_weight.normal_()
@@ -166,12 +172,16 @@ def main(argv: Sequence[str] | None = None) -> list:
         "MODEL.RPN.NMS_THRESH", "1.0", "MODEL.ROI_HEADS.NMS_THRESH_TEST", "1.0",
     ]  # fmt: skip
     base = load_cfg(args.config_file, fixed + args.opts)
-    cfgs = norm_setting_cfgs(base, args.norms, NORM_KEYS)
+    # FrozenBN is BatchNorm with trained statistics, frozen: BN warmed as the others are, then converted
+    built = ["BN" if norm == FROZEN_BN else norm for norm in args.norms]
+    cfgs = norm_setting_cfgs(base, built, NORM_KEYS)
     device = torch.device(base.MODEL.DEVICE)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, device {device}, images {args.size}")
     settings = {}
-    for norm in args.norms:
-        model = trained_like(cfgs[norm], args.size)
+    for norm, built_norm in zip(args.norms, built):
+        model = trained_like(cfgs[built_norm], args.size)
+        if norm == FROZEN_BN:
+            model = FrozenBatchNorm2d.convert_frozen_batchnorm(model)
         settings[norm] = Setting(model, device)
         settings[norm + FOLDED] = Setting(d2.fold_norms(copy.deepcopy(model)), device)
     rounds = [
