@@ -1,7 +1,7 @@
-"""Image-classification pretraining of the ResNet of a detection config (``tools/pretrain_backbone.py``):
-its config keys (``config``), the data (``data``), the network and the backbone checkpoint it leaves
-(``model``), the training (``train``), the backbone cache (``cache``, with ``top1_stop``), and the command
-line of ``tools/pretrain_backbone.py`` (``cli``).
+"""Image-classification pretraining of the ResNet of a detection config (``tools/pretrain_backbone.py``,
+whose command line is ``sn_detection.engine.pretrain_backbone``): its config keys (``config``), the data
+(``data``), the network and the backbone checkpoint it leaves (``model``), the training (``train``), and
+the backbone cache (``cache``, with ``top1_stop``).
 
 ``config`` depends only on ``sn_detection.layers`` and is what ``sn_detection.d2.add_sn_config`` calls,
 while the others build on ``sn_detection.d2``; so the package's names below are imported from
