@@ -247,8 +247,10 @@ def _in_order_of(names: list, got: list, expected: list) -> list:
         order.append(pick)
         free[pick] = False
     order = torch.tensor(order, dtype=torch.long)
-    return [value[order] if index != fields.get("image_size") and len(value) == count else value
-            for index, value in enumerate(got)]  # fmt: skip
+    return [
+        value[order] if index != fields.get("image_size") and len(value) == count else value
+        for index, value in enumerate(got)
+    ]
 
 
 def _onnx_export(adapter: nn.Module, image: Tensor, path: str) -> None:
