@@ -270,13 +270,16 @@ def _config_file(path: str) -> str:
 
 
 def get_config(name: str):
-    """The detectron2 config ``name``, loaded on top of detectron2's defaults and ``add_sn_config``."""
+    """The detectron2 config ``name``, loaded on top of detectron2's defaults, ``add_sn_config`` and
+    ``add_pretrain_config`` (the keys of the pretraining of its backbone)."""
     from detectron2.config import get_cfg
 
     from .d2 import add_sn_config
+    from .pretraining.config import add_pretrain_config
 
     cfg = get_cfg()
     add_sn_config(cfg)
+    add_pretrain_config(cfg)
     cfg.merge_from_file(get_config_file(name))
     return cfg
 

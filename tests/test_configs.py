@@ -16,6 +16,7 @@ from sn_detection import model_zoo  # importing sn_detection registers our norm 
 from sn_detection.d2 import add_sn_config, build_optimizer
 from sn_detection.data.datasets import register_shapes_datasets
 from sn_detection.layers import update_batch_average
+from sn_detection.pretraining.config import add_pretrain_config
 
 CONFIG_DIR = model_zoo.CONFIG_DIR
 CONFIGS = sorted(os.path.basename(path)[: -len(".yaml")] for path in glob.glob(os.path.join(CONFIG_DIR, "*.yaml")))
@@ -42,6 +43,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def load(name, shrink=True):
     cfg = get_cfg()
     add_sn_config(cfg)
+    add_pretrain_config(cfg)  # the demo's configs set the PRETRAIN keys of their backbone
     cfg.merge_from_file(os.path.join(CONFIG_DIR, name + ".yaml"))
     if shrink:
         cfg.merge_from_list(SHRINK)

@@ -28,6 +28,7 @@ from sn_detection.d2.optimizer import GateClippingSGD
 from sn_detection.data.datasets import register_shapes_datasets
 from sn_detection.engine import lazy
 from sn_detection.layers import NORM_CLASSES, NormFactory
+from sn_detection.pretraining.config import add_pretrain_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAZY = model_zoo.LAZY_CONFIG_DIR
@@ -53,6 +54,7 @@ LSJ_RECIPE = "new_baselines/mask_rcnn_R_50_FPN_100ep_LSJ.py"
 def yaml_config(name):
     cfg = get_cfg()
     add_sn_config(cfg)
+    add_pretrain_config(cfg)  # the SN demo's config sets the PRETRAIN keys of its backbone
     cfg.merge_from_file(os.path.join(model_zoo.CONFIG_DIR, f"{name}.yaml"))
     cfg.merge_from_list(["MODEL.DEVICE", "cpu"])
     return cfg

@@ -192,11 +192,13 @@ def test_every_measured_row_is_a_run_of_its_config_as_it_is(m):
     from detectron2.config import get_cfg
 
     from sn_detection.d2 import add_sn_config
+    from sn_detection.pretraining.config import add_pretrain_config
 
     config, overrides = command_config(m.command)
     assert config == f"configs/{m.config}.yaml", (config, m.config)
     cfg = get_cfg()
     add_sn_config(cfg)
+    add_pretrain_config(cfg)
     cfg.merge_from_file(os.path.join(REPO, config))
     cfg.merge_from_list(overrides)
     assert cfg.SOLVER.MAX_ITER == m.iterations

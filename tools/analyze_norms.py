@@ -9,7 +9,7 @@ mask head), as markdown, CSV and PNG.
 With a config, the weights are MODEL.WEIGHTS if given, else the last checkpoint in its OUTPUT_DIR.
 """
 
-from sn_detection.analysis.cli import main
+from sn_detection.engine.analyze_norms import main
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,7 @@
 """What the norms cost at inference: backbone + FPN and a whole Mask R-CNN, as built and folded, in PyTorch
 and onnxruntime.
 
-    tools/benchmark_inference.py [--norms GN,SN,DN,MN,MGN,BNSR,PONO,FrozenBN] [--rounds 5] [--threads 1]
+    tools/benchmark_inference.py [--norms GN,SN,SSN,DN,MN,MGN,BNSR,PONO,FrozenBN] [--rounds 5] [--threads 1]
                                  [--size 320,384] [--parts backbone,mask_rcnn,onnx] [--json out.json]
 
 What is timed and how: sn_detection/benchmarks/inference.py.

@@ -8,7 +8,7 @@ ImageFolder such as ImageNet), and write a backbone checkpoint that the config l
 See sn_detection/pretraining.
 """
 
-from sn_detection.pretraining.cli import main
+from sn_detection.engine.pretrain_backbone import main
 
 if __name__ == "__main__":
     main()

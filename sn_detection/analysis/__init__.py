@@ -4,8 +4,9 @@ gates.
 Pure PyTorch and matplotlib, no detectron2: ``choices`` reads SN / SSN / DN layers from a model or a state
 dict, ``gates`` observes MN / MGN gates on inputs, ``summary`` averages per network component,
 ``report`` and ``plots`` write markdown, CSV and PNG. The detectron2 side (which module names form
-which component, the training hook) is in ``sn_detection.d2``. The command line of
-``tools/analyze_norms.py`` (``cli``) loads a trained model with detectron2; nothing here imports it.
+which component, the training hook) is in ``sn_detection.d2``, and the command line of
+``tools/analyze_norms.py``, which loads a trained model with detectron2, in
+``sn_detection.engine.analyze_norms``: both call this package, which imports neither.
 """
 
 from .choices import (

@@ -3,7 +3,7 @@ as built and folded (``d2.fold_norms``), in PyTorch and, for the whole model, in
 
 Not a test: a measurement to run by hand, on CPU and, when available, CUDA:
 
-    tools/benchmark_inference.py [--norms GN,SN,DN,MN,MGN,BNSR,PONO,FrozenBN] [--rounds 5] [--threads 1]
+    tools/benchmark_inference.py [--norms GN,SN,SSN,DN,MN,MGN,BNSR,PONO,FrozenBN] [--rounds 5] [--threads 1]
                                  [--size 320,384] [--parts backbone,mask_rcnn,onnx] [--json out.json]
                                  [--config-file configs/mask_rcnn_gn_2x.yaml] [KEY VALUE ...]
 
@@ -11,12 +11,14 @@ Every setting is the config's R50-FPN Mask R-CNN (by default the model zoo's mas
 256-wide FPN and heads) with one norm at MODEL.RESNETS.NORM, MODEL.FPN.NORM, MODEL.ROI_BOX_HEAD.NORM and
 MODEL.ROI_MASK_HEAD.NORM, no stage frozen, the same architecture otherwise; FrozenBN is the floor. The
 weights are the initialisation, with running statistics and gates from three training-mode forwards of
-other images, so that every layer evaluates as a trained one does. Two images of ``--size`` pixels (H, W):
+other images, so that every layer evaluates as a trained one does (FrozenBN: BatchNorm's, then frozen).
+Two images of ``--size`` pixels (H, W):
 
 - ``backbone``: the backbone and FPN on the batch;
 - ``mask_rcnn``: the whole model's inference with 100 proposals per image (``PROPOSALS``; the model zoo's
-  1000 take 20 s an image through the box head on one CPU thread) and the score threshold at 0, so that
-  every setting sends 100 detections per image through the mask head, whatever its weights;
+  1000 take 20 s an image through the box head on one CPU thread), and neither NMS nor a score threshold,
+  so that every setting sends 100 boxes per image through the box head and 100 detections through the mask
+  head, whatever its weights;
 - ``onnx``: that inference exported as ``tools/export_model.py --fold`` exports it (tracing, ONNX opset 17)
   and run by onnxruntime's CPU provider with the same number of threads, one image per run (the exported
   graph takes one image): the folded models, beside GN as built.
@@ -38,18 +40,21 @@ import tempfile
 from collections.abc import Sequence
 
 import torch
+from detectron2.layers import FrozenBatchNorm2d
 from detectron2.modeling import build_model
 
 from .. import d2
 from ..engine.arguments import create_folder_of, positive_int
 from ..engine.export import export
 from ..engine.launch import load_cfg
+from ..layers.sparse_switchable import set_radius, sparse_switchable_layers
 from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_setting_cfgs, range_text, ratio_to
 
 NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
 REFERENCE = "GN"
 FOLDED = " folded"
 PARTS = ("backbone", "mask_rcnn", "onnx")
+FROZEN_BN = "FrozenBN"
 WARM_FORWARDS = 3  # training-mode forwards that give running statistics and gates their trained role
 # proposals (and detections) per image: the box head's four convolutions over 1000 RoIs take 20 s an image on
 # one CPU thread; 100 keep every head's norms in the time at a tenth of it
@@ -60,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config-file", default="configs/mask_rcnn_gn_2x.yaml")
     parser.add_argument(
-        "--norms", default="GN,SN,DN,MN,MGN,BNSR,PONO,FrozenBN", help=f"comma-separated; {REFERENCE} always"
+        "--norms", default="GN,SN,SSN,DN,MN,MGN,BNSR,PONO,FrozenBN", help=f"comma-separated; {REFERENCE} always"
     )
     parser.add_argument("--rounds", type=positive_int, default=5, help=f"timed rounds (after {WARMUP_ROUNDS} warm-up)")
     parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads (1)")
@@ -95,9 +100,20 @@ def images(size: tuple[int, int], count: int, seed: int) -> list[torch.Tensor]:
 
 def trained_like(cfg, size) -> torch.nn.Module:
     """The model of ``cfg`` with running statistics and gates from ``WARM_FORWARDS`` training-mode forwards of
-    the backbone (module docstring), in evaluation mode."""
+    the backbone (module docstring), in evaluation mode. SSN's layers end as training ends them, each with one
+    normalizer for its means and one for its variances: random logits, SparsestMax's radius at 1 (one-hot
+    weights), fixed."""
     torch.manual_seed(cfg.SEED if cfg.SEED >= 0 else 0)
     model = build_model(cfg)
+    set_radius(model, 1.0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.momentum = None  # the warm forwards' average (FrozenBN's statistics)
+    with torch.no_grad():
+        for layer in sparse_switchable_layers(model):
+            layer.mean_weight.normal_()
+            layer.var_weight.normal_()
+            layer.fix_one_hot_weights()
     model.backbone.train()
     with torch.no_grad():
         for seed in range(WARM_FORWARDS):
@@ -151,14 +167,21 @@ def main(argv: Sequence[str] | None = None) -> list:
     fixed = [
         "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0", "MODEL.BACKBONE.FREEZE_AT", "0", "MODEL.WEIGHTS", "",
         "MODEL.RPN.POST_NMS_TOPK_TEST", str(PROPOSALS), "TEST.DETECTIONS_PER_IMAGE", str(PROPOSALS),
+        # no suppression: every setting's heads see PROPOSALS boxes per image whatever its weights (with them
+        # at their initialisation, NMS keeps as many boxes as their overlaps allow, which the norm changes)
+        "MODEL.RPN.NMS_THRESH", "1.0", "MODEL.ROI_HEADS.NMS_THRESH_TEST", "1.0",
     ]  # fmt: skip
     base = load_cfg(args.config_file, fixed + args.opts)
-    cfgs = norm_setting_cfgs(base, args.norms, NORM_KEYS)
+    # FrozenBN is BatchNorm with trained statistics, frozen: BN warmed as the others are, then converted
+    built = ["BN" if norm == FROZEN_BN else norm for norm in args.norms]
+    cfgs = norm_setting_cfgs(base, built, NORM_KEYS)
     device = torch.device(base.MODEL.DEVICE)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, device {device}, images {args.size}")
     settings = {}
-    for norm in args.norms:
-        model = trained_like(cfgs[norm], args.size)
+    for norm, built_norm in zip(args.norms, built):
+        model = trained_like(cfgs[built_norm], args.size)
+        if norm == FROZEN_BN:
+            model = FrozenBatchNorm2d.convert_frozen_batchnorm(model)
         settings[norm] = Setting(model, device)
         settings[norm + FOLDED] = Setting(d2.fold_norms(copy.deepcopy(model)), device)
     rounds = [

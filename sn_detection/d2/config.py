@@ -21,9 +21,9 @@ and clipping at 1), see ``optimizer``; ``SOLVER.SSN_RADIUS`` (start, end) is SSN
 iteration and after the last, linear in between (``hooks.SparsityRadius``; the authors' 0 to 1);
 ``TEST.BATCH_AVERAGE`` configures the batch-average hook; ``TEST.NORM_ANALYSIS.PERIOD`` the logging of
 what the learned norms chose (``norm_analysis``; 0: off). The defaults are the layers' own defaults, the
-papers' settings. ``add_sn_config`` also adds the ``PRETRAIN`` keys of the classification pretraining of
-the config's ResNet, and ``validate_sn_config`` checks them: they and their rules belong to
-``sn_detection.pretraining.config``, a module that depends on nothing above ``sn_detection.layers``.
+papers' settings. The ``PRETRAIN`` keys of the classification pretraining of the config's ResNet are
+pretraining's own (``sn_detection.pretraining.config``), which the engine's ``load_cfg`` adds and checks
+beside these.
 
 ``validate_sn_config(cfg)`` checks the norm names of every ``MODEL.*.NORM`` key, these keys' values (a
 layer option by the rules its layer states, ``sn_detection.layers.options``) and that our norms are
@@ -40,7 +40,6 @@ from detectron2.modeling import META_ARCH_REGISTRY
 
 from ..layers import NORM_NAMES, NormFactory, norm_class, norm_options
 from ..layers.options import NON_NEGATIVE, POSITIVE_INT, RADIUS_RANGE, is_int
-from ..pretraining.config import add_pretrain_config, validate_pretrain_config
 
 # The registered name of the meta-architecture that builds our norms with the config's options.
 SN_META_ARCHITECTURE = "SNMetaArch"
@@ -86,8 +85,6 @@ def add_sn_config(cfg: CN) -> None:
 
     cfg.TEST.NORM_ANALYSIS = CN()
     cfg.TEST.NORM_ANALYSIS.PERIOD = 0
-
-    add_pretrain_config(cfg)
 
 
 def option_keys(name: str) -> dict[str, str]:
@@ -144,7 +141,6 @@ def validate_sn_config(cfg: CN) -> None:
             _check(key, _value(cfg, key), rules[option].holds, rules[option].text)
     for key, (is_valid, valid_values) in _KEY_RULES.items():
         _check(key, _value(cfg, key), is_valid, valid_values)
-    validate_pretrain_config(cfg)
     if cfg.TEST.BATCH_AVERAGE.ENABLED:
         key = "TEST.BATCH_AVERAGE.NUM_BATCHES"
         _check(key, _value(cfg, key), POSITIVE_INT.holds, "an int >= 1 when TEST.BATCH_AVERAGE.ENABLED")

@@ -1,7 +1,9 @@
 """Training and evaluation as detectron2's ``engine`` means them: the trainer (``trainer``, thin over
 DefaultTrainer, and ``resume``), the processes (``launch``), the entry points of tools/train_net.py and
-tools/lazyconfig_train_net.py (``train_net``, ``lazy``), a trained model loaded back (``trained``) and drawn
-(``demo``), and the command-line types every tool shares (``arguments``).
+tools/lazyconfig_train_net.py (``train_net``, ``lazy``), a trained model loaded back (``trained``), drawn
+(``demo``), exported (``export``) and what its norms chose reported (``analyze_norms``, for
+tools/analyze_norms.py), the command line of tools/pretrain_backbone.py (``pretrain_backbone``), and the
+command-line types every tool shares (``arguments``).
 
 The package's names below are imported from their modules when first asked for: ``arguments`` serves tools
 that run where detectron2 is not installed (``tools/count_launches.py``, in the kernel-test environment).

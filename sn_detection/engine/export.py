@@ -19,7 +19,9 @@ compared with PyTorch.
   torch) next to the trained PyTorch model (unfolded, with ``--fold``), on the sample and, for a traced
   file, on the sample turned a quarter (the exported ONNX graph takes any image size: its height and width
   are dynamic); every output's largest difference is printed, with that relative to the output's largest
-  magnitude, and ``export`` returns them.
+  magnitude, and ``export`` returns them. An R-CNN's detections are compared as a set: each of PyTorch's
+  with the exported one of its class nearest in box and score (``_in_order_of``), since detections of all
+  but equal scores may come in either order.
 
 Exporting needs the model in evaluation mode: a layer whose training output depends on the batch would
 record batch statistics. ONNX needs the optional extra ``pip install sn_detection[export]``.
@@ -202,6 +204,7 @@ def export(
                 raise RuntimeError(f"the exported model gives {len(got)} outputs, PyTorch {len(expected)}")
             names, got = _named_outputs(adapter, got)
             _, expected = _named_outputs(adapter, expected)
+            got = _in_order_of(names, got, expected)
             size = "x".join(str(side) for side in check.shape[1:])
             rows += _compared([f"{name} ({size})" for name in names], got, expected)
     return _report(path, rows)
@@ -220,6 +223,34 @@ def _named_outputs(adapter: TracingAdapter, flat) -> tuple[list, list]:
         fields["image_size"] = torch.as_tensor(instances.image_size)
         return list(fields), list(fields.values())
     return [f"output {index}" for index in range(len(flat))], list(flat)
+
+
+def _in_order_of(names: list, got: list, expected: list) -> list:
+    """An R-CNN's exported detections in the order of PyTorch's: each of PyTorch's, by rank, paired with the
+    exported one of the same class nearest to it in box and score, not yet paired. Which of two detections of
+    all but equal scores comes first is no part of a detector's result, and a runtime whose rounding differs
+    may swap them (an untrained model scores every box and class near 1 / classes); the differences are then
+    taken between paired detections. Other outputs are left as they are."""
+    fields = dict(zip(names, range(len(names))))
+    if not {"pred_boxes", "scores", "pred_classes"} <= set(fields):
+        return got
+    boxes, scores, classes = (fields[name] for name in ("pred_boxes", "scores", "pred_classes"))
+    count = len(expected[scores])
+    if any(len(got[index]) != count for index in (boxes, scores, classes)):
+        return got  # different counts: reported as different shapes
+    distance = (got[boxes][None].double() - expected[boxes][:, None].double()).abs().amax(-1)
+    distance = distance + (got[scores][None].double() - expected[scores][:, None].double()).abs()
+    distance[got[classes][None] != expected[classes][:, None]] = float("inf")
+    order, free = [], torch.ones(count, dtype=torch.bool)
+    for row in distance:
+        pick = int(torch.where(free, row, torch.full_like(row, float("inf"))).argmin())
+        order.append(pick)
+        free[pick] = False
+    order = torch.tensor(order, dtype=torch.long)
+    return [
+        value[order] if index != fields.get("image_size") and len(value) == count else value
+        for index, value in enumerate(got)
+    ]
 
 
 def _onnx_export(adapter: nn.Module, image: Tensor, path: str) -> None:

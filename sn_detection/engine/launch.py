@@ -13,19 +13,23 @@ from detectron2.utils.logger import setup_logger
 
 from ..d2 import CheckedCheckpointer, add_sn_config, fold_norms, validate_sn_config
 from ..data.datasets import check_datasets, register_shapes_datasets
+from ..pretraining.config import add_pretrain_config, validate_pretrain_config
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
 
 def load_cfg(config_file: str, opts: list):
-    """A frozen config from ``config_file`` and the KEY VALUE overrides ``opts``, on the CPU if there is
-    no CUDA device; a bad value of sn_detection's keys fails here, before anything is written."""
+    """A frozen config from ``config_file`` and the KEY VALUE overrides ``opts``, with every key of
+    sn_detection (d2's and pretraining's ``PRETRAIN``), on the CPU if there is no CUDA device; a bad value
+    of those keys fails here, before anything is written."""
     cfg = get_cfg()
     add_sn_config(cfg)
+    add_pretrain_config(cfg)
     cfg.merge_from_file(config_file)
     cfg.merge_from_list(opts)
     validate_sn_config(cfg)
+    validate_pretrain_config(cfg)
     if cfg.MODEL.DEVICE.startswith("cuda") and not torch.cuda.is_available():
         cfg.MODEL.DEVICE = "cpu"
     cfg.freeze()

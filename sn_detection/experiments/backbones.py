@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from detectron2.config import CfgNode
 
 from ..d2 import validate_sn_config
+from ..pretraining.config import validate_pretrain_config
 
 # tools/compare_norms.py's seeds, so also the draws of a backbone that tools/pretrain_grid.py looks for
 DEFAULT_SEEDS = (1, 2, 3)
@@ -32,6 +33,7 @@ def with_pretrain_overrides(cfg, norm: str, overrides: dict) -> CfgNode:
     result.MODEL.RESNETS.NORM = norm
     result.merge_from_list([item for key, value in overrides.items() for item in (key, value)])
     validate_sn_config(result)
+    validate_pretrain_config(result)
     return result
 
 

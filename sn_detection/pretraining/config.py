@@ -4,10 +4,10 @@ config's ResNet (``train``); ``validate_pretrain_config(cfg)``: their values che
 The defaults are the usual ImageNet recipe: 224 px random crops, batch 256, Nesterov SGD with a warmup and
 a cosine schedule, label smoothing 0.1, and the batch average of the batch statistics at the end.
 
-This module is the bottom of the package's layering, beside ``sn_detection.layers.options``: it imports
-neither detectron2's models nor ``sn_detection.d2``, so that ``sn_detection.d2.add_sn_config`` (the one
-call that gives a config every key of sn_detection, before a file that may set them is merged) adds
-these keys and ``validate_sn_config`` checks them, while the rest of ``pretraining`` builds on ``d2``.
+A detection config carries the pretraining of its backbone (configs/demo_mask_rcnn_sn.yaml sets
+``PRETRAIN`` keys), so the engine's ``load_cfg``, which every tool reads its config with, adds these keys
+beside ``sn_detection.d2.add_sn_config``'s before it merges the file, and checks them; a config made by
+hand calls ``add_pretrain_config(cfg)`` itself before merging such a file.
 """
 
 from __future__ import annotations
@@ -98,7 +98,10 @@ PRETRAIN_KEY_RULES = {
 def validate_pretrain_config(cfg: CN) -> None:
     """Raise a ValueError naming the key and its valid values for the first invalid ``PRETRAIN`` value."""
     if "PRETRAIN" not in cfg:
-        raise ValueError("the config has no PRETRAIN: call sn_detection.d2.add_sn_config(cfg) before merging a file")
+        raise ValueError(
+            "the config has no PRETRAIN: call sn_detection.pretraining.config.add_pretrain_config(cfg) before "
+            "merging a file"
+        )
     for name, (is_valid, valid_values) in PRETRAIN_KEY_RULES.items():
         value = cfg.PRETRAIN[name]
         if not is_valid(value):

@@ -25,6 +25,7 @@ from ..conversion import InputConvention
 from ..d2.config import validate_sn_config
 from ..d2.meta_arch import resolve_norms
 from ..layers import NORM_NAMES, RunningMoments, norm_class
+from .config import validate_pretrain_config
 
 # The norm a detection backbone's norm is pretrained as: FrozenBN (the paper's BN-dagger, a finetuned BN
 # backbone) is BN with fixed statistics and affine, which only BN can learn; its keys are BN's.
@@ -37,6 +38,7 @@ def backbone_cfg(cfg: CfgNode) -> CfgNode:
     """The config of the backbone to pretrain: res5 out, nothing frozen, the norm it is pretrained as,
     synchronised if asked."""
     validate_sn_config(cfg)
+    validate_pretrain_config(cfg)
     backbone = cfg.clone()
     backbone.defrost()
     backbone.MODEL.RESNETS.OUT_FEATURES = ["res5"]

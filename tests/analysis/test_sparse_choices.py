@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from sn_detection.analysis import SparseSwitchableChoice, choices_from_state_dict, learned_choices, summarize
-from sn_detection.analysis.cli import main
+from sn_detection.engine.analyze_norms import main
 from sn_detection.layers import SparseSwitchableNorm2d, SwitchableNorm2d, SyncSparseSwitchableNorm2d
 from sn_detection.layers.sparse_switchable import sparsestmax
 

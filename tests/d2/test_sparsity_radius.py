@@ -15,6 +15,7 @@ from sn_detection.d2 import add_sn_config, validate_sn_config
 from sn_detection.d2.hooks import SparsityRadius, build_radius_hook
 from sn_detection.d2.optimizer import GateClippingSGD, get_optimizer_params
 from sn_detection.layers import SparseSwitchableNorm2d, build_norm
+from sn_detection.pretraining.config import add_pretrain_config, validate_pretrain_config
 
 MAX_ITER = 12
 # logits whose weights become one-hot at different radii: at once (a sparsemax of one entry), on the way,
@@ -125,9 +126,11 @@ def test_the_hook_is_built_only_for_a_model_with_ssn():
 def test_a_bad_radius_is_named(key, value):
     cfg = get_cfg()
     add_sn_config(cfg)
+    add_pretrain_config(cfg)
     cfg.merge_from_list([key, value])
+    validate = validate_pretrain_config if key.startswith("PRETRAIN.") else validate_sn_config
     with pytest.raises(ValueError, match=rf"{key}=.* is invalid: it must be \(start, end\): SSN's radius"):
-        validate_sn_config(cfg)
+        validate(cfg)
 
 
 def test_a_lazy_configs_radius_is_checked_before_training():

@@ -16,7 +16,7 @@ from detectron2.data.datasets import register_coco_instances
 from detectron2.structures import Boxes, BoxMode, Instances
 from PIL import Image
 
-from sn_detection.analysis import cli as analyze
+from sn_detection.engine import analyze_norms as analyze
 from sn_detection.engine import demo
 from sn_detection.layers import DynamicNorm2d, ModeGroupNorm2d, SwitchableNorm2d
 

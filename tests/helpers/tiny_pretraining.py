@@ -11,6 +11,7 @@ from detectron2.config import get_cfg
 
 from sn_detection.d2 import add_sn_config, trainers
 from sn_detection.pretraining import train as pretraining_train
+from sn_detection.pretraining.config import add_pretrain_config
 from sn_detection.pretraining.train import pretrain
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -84,6 +85,7 @@ def pretrain_killed_at(monkeypatch, cfg, iteration, **pretrain_options):
 def tiny_cfg(data, output_dir, *opts):
     cfg = get_cfg()
     add_sn_config(cfg)
+    add_pretrain_config(cfg)
     cfg.merge_from_file(CONFIG)
     cfg.merge_from_list(tiny_pretraining(data, output_dir, *opts))
     return cfg

@@ -15,9 +15,9 @@ from tiny_pretraining import CONFIG, tiny_cfg
 from torch import nn
 
 from sn_detection.benchmarks import pretrain as benchmark_pretrain
-from sn_detection.d2 import add_sn_config, step_trainer, validate_sn_config
+from sn_detection.d2 import step_trainer
 from sn_detection.pretraining.cache import cache_key
-from sn_detection.pretraining.config import validate_pretrain_config
+from sn_detection.pretraining.config import add_pretrain_config, validate_pretrain_config
 from sn_detection.pretraining.graphed_step import GraphedAMPTrainer, GraphedTrainer
 from sn_detection.pretraining.train import _splits, pretrain, train_loader
 
@@ -39,14 +39,13 @@ class Regression(nn.Module):
 
 def test_the_key_is_off_by_default_and_needs_a_cuda_device():
     cfg = get_cfg()
-    add_sn_config(cfg)
+    add_pretrain_config(cfg)
     assert cfg.PRETRAIN.CUDA_GRAPH is False
     cfg.PRETRAIN.CUDA_GRAPH = True
     for device in ("cpu", "meta"):
         cfg.MODEL.DEVICE = device
-        for validate in (validate_pretrain_config, validate_sn_config):
-            with pytest.raises(ValueError, match=re.escape(f"{OFF_CUDA} {device!r}; set PRETRAIN.CUDA_GRAPH False")):
-                validate(cfg)
+        with pytest.raises(ValueError, match=re.escape(f"{OFF_CUDA} {device!r}; set PRETRAIN.CUDA_GRAPH False")):
+            validate_pretrain_config(cfg)
     for device in ("cuda", "cuda:1"):  # validated without a GPU: the device is the run's business
         cfg.MODEL.DEVICE = device
         validate_pretrain_config(cfg)
@@ -54,7 +53,7 @@ def test_the_key_is_off_by_default_and_needs_a_cuda_device():
 
 def test_a_value_that_is_not_a_boolean_is_refused_by_the_merge():
     cfg = get_cfg()
-    add_sn_config(cfg)
+    add_pretrain_config(cfg)
     with pytest.raises(ValueError, match=r"Type mismatch .* for config key: PRETRAIN.CUDA_GRAPH"):
         cfg.merge_from_list(["PRETRAIN.CUDA_GRAPH", "1"])
 

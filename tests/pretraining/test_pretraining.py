@@ -18,8 +18,8 @@ from PIL import Image
 from tiny_pretraining import REPO, backbone_tensors, pretrain_killed_at, scripted_top1, tiny_cfg, tiny_pretraining
 
 from sn_detection.d2 import trainers
+from sn_detection.engine import pretrain_backbone
 from sn_detection.pretraining import cache as pretraining_cache
-from sn_detection.pretraining import cli as pretrain_backbone
 from sn_detection.pretraining.model import BackboneClassifier, backbone_cfg, pretrained_norm
 from sn_detection.pretraining.train import BACKBONE_FILE, RESULTS_FILE, pretrain
 

@@ -24,12 +24,7 @@ from collections.abc import Sequence
 import torch
 from detectron2.data import build_detection_test_loader
 
-from ..d2.components import COMPONENTS, component_of
-from ..d2.norm_analysis import EVOLUTION_FILE
-from ..data.datasets import register_shapes_datasets
-from ..engine.launch import load_cfg
-from ..engine.trained import add_overrides_argument, load_trained_model
-from . import (
+from ..analysis import (
     GateRecorder,
     ModeGates,
     choices_from_state_dict,
@@ -37,8 +32,13 @@ from . import (
     mode_layers,
     mode_layers_in_state_dict,
 )
-from .report import write_report
-from .summary import KINDS, Record
+from ..analysis.report import write_report
+from ..analysis.summary import KINDS, Record
+from ..d2.components import COMPONENTS, component_of
+from ..d2.norm_analysis import EVOLUTION_FILE
+from ..data.datasets import register_shapes_datasets
+from .launch import load_cfg
+from .trained import add_overrides_argument, load_trained_model
 
 REPORT_FOLDER = "norm_analysis"
 

@@ -17,9 +17,9 @@ from detectron2.engine import default_argument_parser, default_setup
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
-from ..engine.launch import launch_processes, load_cfg
-from .cache import cached_backbone
-from .train import pretrain, report
+from ..pretraining.cache import cached_backbone
+from ..pretraining.train import pretrain, report
+from .launch import launch_processes, load_cfg
 
 
 def pretrain_in_process(args) -> dict:
