@@ -329,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     report = export(model, image, args.output, args.format, args.export_method, reference)
     folded = ", norms folded" if args.fold else ""
     print(f"Exported {args.config_file} ({args.format}, {args.export_method}{folded}) to {report['file']}")
-    print("On the sample (H x W px) and on it turned a quarter, the exported model against the trained PyTorch model:")
+    print("The exported model against the PyTorch model, on the sample and on it turned a quarter (H x W px):")
     for name, difference, relative in report["outputs"]:
         print(f"  {name}: max |difference| {difference:.3g} ({relative:.3g} of its largest value)")
     return report
