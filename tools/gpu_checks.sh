@@ -22,6 +22,11 @@
 #             images of 1024 x 1024, the large-scale-jitter recipe with AMP, GN and SN with the backbone
 #             and FPN replayed as CUDA graphs and GN without (train_lsj.json; tools/benchmark_train.py
 #             --graphed-backbone); on the embedded detection set (generated on first use);
+#   inference (at most 5 min: 150 + 150 s) every norm's inference as built and folded (d2.fold_norms), the
+#             backbone + FPN and the whole Mask R-CNN at 2 images of 800 x 1088 px, beside GN
+#             (inference.json); then the folded models exported to ONNX and run by onnxruntime's CUDA
+#             provider (inference_onnx.json; tools/benchmark_inference.py), where onnxruntime-gpu is
+#             installed (the log says when it is not, and that part waits);
 #   pretrain  (at most 1 min 30 s: 90 s) a ResNet-50 pretraining step at 224 px, 32 images per GPU (256
 #             over 8), BN and SN, eager and captured in a CUDA graph (NORM+graph), fp32, and the hours per
 #             ImageNet epoch at that speed (pretrain.json; tools/benchmark_pretrain.py --cuda-graph).
@@ -37,11 +42,11 @@
 #     export PYTHONPATH=$PWD/.gpu/site:$PWD SN_DETECTION_DATA=$PWD/.gpu/data; tools/gpu_checks.sh OUTDIR STEP...
 set -uo pipefail
 
-out=${1:?usage: tools/gpu_checks.sh OUTDIR [tests|counts|norms|train|pretrain ...]}
+out=${1:?usage: tools/gpu_checks.sh OUTDIR [tests|counts|norms|train|inference|pretrain ...]}
 shift
-steps=${*:-tests counts norms train pretrain}
+steps=${*:-tests counts norms train inference pretrain}
 for name in $steps; do
-  case $name in tests|counts|norms|train|pretrain) ;; *) echo "unknown step '$name': tests, counts, norms, train or pretrain" >&2; exit 2;; esac
+  case $name in tests|counts|norms|train|inference|pretrain) ;; *) echo "unknown step '$name': tests, counts, norms, train, inference or pretrain" >&2; exit 2;; esac
 done
 py=${PYTHON:-python}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -96,6 +101,16 @@ if wanted train; then
     --rounds 6 --json "$out/train.json" MODEL.DEVICE cuda "${detection[@]}"
   step "train lsj" 150 "$py" tools/benchmark_train.py --config-file configs/lazy/mask_rcnn_sn_lsj_100ep.py \
     --norms GN,SN --graphed-backbone --rounds 6 --json "$out/train_lsj.json" train.device=cuda "${lsj[@]}"
+fi
+if wanted inference; then
+  step inference 150 "$py" tools/benchmark_inference.py --parts backbone,mask_rcnn --size 800,1088 --rounds 5 \
+    --json "$out/inference.json" MODEL.DEVICE cuda
+  if "$py" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())" 2>/dev/null; then
+    step "inference onnx" 150 "$py" tools/benchmark_inference.py --parts onnx --norms GN,SN,SSN,DN,FrozenBN \
+      --size 800,1088 --rounds 5 --json "$out/inference_onnx.json" MODEL.DEVICE cuda
+  else
+    echo "=== inference onnx: not run: this Python's onnxruntime has no CUDAExecutionProvider (onnxruntime-gpu)" | tee -a "$log"
+  fi
 fi
 if wanted pretrain; then
   step pretrain 90 "$py" tools/benchmark_pretrain.py --norms BN,SN --devices 8 --rounds 6 --cuda-graph \

@@ -20,8 +20,9 @@ Two images of ``--size`` pixels (H, W):
   so that every setting sends 100 boxes per image through the box head and 100 detections through the mask
   head, whatever its weights;
 - ``onnx``: that inference exported as ``tools/export_model.py --fold`` exports it (tracing, ONNX opset 17)
-  and run by onnxruntime's CPU provider with the same number of threads, one image per run (the exported
-  graph takes one image): the folded models, beside GN as built.
+  and run by onnxruntime, one image per run (the exported graph takes one image): the folded models, beside
+  GN as built. On the CPU, its provider with the same number of threads; with ``MODEL.DEVICE cuda``, its
+  CUDA provider (onnxruntime-gpu; refused without it).
 
 The PyTorch parts time every norm as built ("SN") and folded ("SN folded"); the ratios are to GN as built. The
 settings run in interleaved rounds after two warm-up rounds, so that a load change on a shared machine
@@ -143,13 +144,30 @@ class Setting:
         report = export(self.model, image, folder, "onnx", "tracing")
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-        self.session = onnxruntime.InferenceSession(report["file"], options, providers=["CPUExecutionProvider"])
+        self.session = onnxruntime.InferenceSession(report["file"], options, providers=onnx_providers(self.device))
         self.input_name = self.session.get_inputs()[0].name
         return report["max_relative"]
 
     def onnx(self, batch):
         feeds = [{self.input_name: item["image"].numpy()} for item in batch]
         return device_seconds(lambda: [self.session.run(None, feed) for feed in feeds], self.device)
+
+
+def onnx_providers(device: torch.device) -> list[str]:
+    """onnxruntime's execution provider for the device the benchmark times: the CPU's, or on a CUDA device
+    CUDA's (the onnxruntime-gpu package). Where onnxruntime has no CUDA provider the onnx part is refused
+    rather than timed on the CPU beside models timed on the GPU."""
+    if device.type != "cuda":
+        return ["CPUExecutionProvider"]
+    import onnxruntime
+
+    available = onnxruntime.get_available_providers()
+    if "CUDAExecutionProvider" not in available:
+        raise RuntimeError(
+            f"--parts onnx on a CUDA device needs onnxruntime's CUDAExecutionProvider (the onnxruntime-gpu "
+            f"package); this onnxruntime has {available}. Install onnxruntime-gpu, or leave onnx out of --parts"
+        )
+    return ["CUDAExecutionProvider"]
 
 
 def print_table(part: str, summary: dict) -> None:
@@ -176,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> list:
     built = ["BN" if norm == FROZEN_BN else norm for norm in args.norms]
     cfgs = norm_setting_cfgs(base, built, NORM_KEYS)
     device = torch.device(base.MODEL.DEVICE)
+    if "onnx" in args.parts:
+        onnx_providers(device)  # before the models are built: refused at once
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, device {device}, images {args.size}")
     settings = {}
     for norm, built_norm in zip(args.norms, built):

@@ -37,7 +37,7 @@ def read_script() -> tuple[list[str], dict[str, list[int]], dict[str, tuple[str,
 
 def test_the_header_states_every_steps_limits_as_the_script_sets_them():
     accepted, limits, entries = read_script()
-    assert accepted == list(limits) == list(entries) == ["tests", "counts", "norms", "train", "pretrain"]
+    assert accepted == list(limits) == list(entries) == ["tests", "counts", "norms", "train", "inference", "pretrain"]
     for name in accepted:
         total, stated, description = entries[name]
         assert stated == limits[name], (name, stated, limits[name])
