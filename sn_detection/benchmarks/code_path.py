@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..engine.arguments import nchw_shape, norm_names
 from ..layers import NORM_NAMES, build_norm
 from ..layers.kernels import kernel_path, skipped_launches
 
@@ -138,16 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    names = [name for name in args.norms.split(",") if name]
-    unknown = [name for name in names if name not in NORM_NAMES]
-    if unknown or not names:
-        parser.error(f"--norms: unknown {unknown or 'empty list'}; choose from {', '.join(NORM_NAMES)}")
-    try:
-        shape = tuple(int(size) for size in args.shape.split(","))
-    except ValueError:
-        shape = ()
-    if len(shape) != 4 or min(shape) < 1:
-        parser.error(f"--shape {args.shape!r}: four sizes >= 1, N,C,H,W")
+    names = norm_names(parser, args.norms, NORM_NAMES)
+    shape = nchw_shape(parser, args.shape)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=generator)
     grad_y = torch.randn(shape, generator=generator)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..engine.arguments import create_folder_of, output_file, positive_int
+from ..engine.arguments import create_folder_of, nchw_shape, norm_names, output_file, positive_int
 from ..layers import NORM_NAMES, build_norm, kernels
 from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, range_text, ratio_to
 
@@ -80,16 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    names = [name for name in args.norms.split(",") if name]
-    unknown = [name for name in names if name not in NORM_NAMES]
-    if unknown or not names:
-        parser.error(f"--norms: unknown {unknown or 'empty list'}; choose from {', '.join(NORM_NAMES)}")
-    try:
-        shape = [int(size) for size in args.shape.split(",")]
-    except ValueError:
-        shape = []
-    if len(shape) != 4 or min(shape) < 1:
-        parser.error(f"--shape {args.shape!r}: four sizes >= 1, N,C,H,W")
+    names = norm_names(parser, args.norms, NORM_NAMES)
+    shape = nchw_shape(parser, args.shape)
     if not torch.cuda.is_available() or not kernels.available() or kernels.interpreting():
         parser.error("the direct launch needs a CUDA device and Triton, without TRITON_INTERPRET=1")
     if not kernels.version_supported():

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..engine.arguments import create_folder_of, output_file, positive_int
+from ..engine.arguments import create_folder_of, norm_names, output_file, positive_int
 from ..layers import NORM_NAMES, build_norm
 from .baseline import baseline_layers, baseline_twin
 from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, range_text, ratio_to
@@ -238,10 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    norms = [name for name in args.norms.split(",") if name]
-    unknown = [name for name in norms if name not in NORM_NAMES]
-    if unknown or not norms:
-        parser.error(f"--norms: unknown {unknown or 'empty list'}; choose from {', '.join(NORM_NAMES)}")
+    norms = norm_names(parser, args.norms, NORM_NAMES)
     try:
         baseline = baseline_layers(args.baseline) if args.baseline else None
     except ValueError as error:

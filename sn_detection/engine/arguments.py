@@ -47,3 +47,23 @@ def add_fold_argument(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="with --eval-only: fold the norms for inference first (constant affines into the convolutions)",
     )
     return parser
+
+
+def norm_names(parser: argparse.ArgumentParser, text: str, valid: list[str]) -> list[str]:
+    """The comma-separated norm names of ``--norms``, each one of ``valid``; a parser error names the others."""
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in valid]
+    if unknown or not names:
+        parser.error(f"--norms: unknown {unknown or 'empty list'}; choose from {', '.join(valid)}")
+    return names
+
+
+def nchw_shape(parser: argparse.ArgumentParser, text: str) -> tuple[int, int, int, int]:
+    """The N,C,H,W of ``--shape``, four sizes >= 1; else a parser error."""
+    try:
+        shape = tuple(int(size) for size in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        parser.error(f"--shape {text!r}: four sizes >= 1, N,C,H,W")
+    return shape
