@@ -14,6 +14,7 @@ from torch import nn
 from sn_detection.layers import NORM_NAMES, build_norm, update_batch_average
 
 RATIOS = [1, 3, 10, 100, 1e3, 1e4]
+DTYPES = (torch.float32, torch.float64)
 OPTIONS = {"GN": {"num_groups": 8}, "BNSR": {"p": 1.0}}  # BNSR at p = 1: its slope near 0 is BN's
 
 
@@ -57,6 +58,24 @@ def test_fp32_is_as_accurate_as_batch_norm(name, ratio, training):
     # a small multiple of BatchNorm's own error; at ratios near 1 both are at fp32's rounding of the output
     assert output <= max(4 * bn_output, 1e-5), (output, bn_output)
     assert gradient <= max(10 * bn_gradient, 1e-5), (gradient, bn_gradient)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("name", NORM_NAMES)
+def test_fp32_without_gradients_is_as_accurate_as_batch_norm(name, ratio, training):
+    """The same bound under ``torch.no_grad()``, where the layers take their gradient-free passes (in place,
+    fewer allocations) rather than the differentiable ones above."""
+    layer, batch_norm = layer_and_batch_norm(name, ratio)
+    x = torch.randn(4, 32, 9, 11, generator=torch.Generator().manual_seed(1)) + ratio
+
+    def error(module):
+        with torch.no_grad():
+            outputs = [copy.deepcopy(module).train(training).to(dtype)(x.to(dtype)).double() for dtype in DTYPES]
+        return (outputs[0] - outputs[1]).abs().max().item()
+
+    output, bn_output = error(layer), error(batch_norm)
+    assert output <= max(4 * bn_output, 1e-5), (output, bn_output)
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
