@@ -18,6 +18,7 @@ operations (``plain_forward``), which are also the kernels' oracle in the tests.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .base import NormBase, check_input, exporting
@@ -77,13 +78,23 @@ def _affine_pono(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
 
 @torch.jit.unused
 def _evaluated_affine_pono(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-    """``_affine_pono`` without gradients: the same statistics (``pono``'s shifted mean, the two-pass
-    variance, as the vector norm of the centred values) with one full-size allocation and every other pass in
-    place (on a CPU an activation's allocation costs as much as a pass over it, a broadcast multiply-add two)."""
+    """``_affine_pono`` without gradients, returned contiguous: ``pono``'s shifted values, then each sample's
+    (C, H * W) view through BatchNorm's training-mode kernel, whose "channels" are then the positions and
+    whose batch is the channels, so that it makes PONO's two-pass moments over the channels and normalizes
+    in one call, whose result the weight scales into place. The shift keeps the moments exact whatever a
+    position's mean-to-spread ratio (BatchNorm's summed mean alone is a few units of its last place off).
+    Its reductions run along contiguous rows, where broadcast reductions over the channels would cross the
+    strided channel axis."""
     xs = as_dtype(x, stat_dtype(x))
-    centred = xs - xs[:, :1]
-    centred.sub_(centred.mean(1, keepdim=True))
-    channels = max(x.shape[1], 1)
-    inv_std = torch.rsqrt(torch.linalg.vector_norm(centred, dim=1, keepdim=True).square_().div_(channels).add_(eps))
-    y = centred.mul_(inv_std).mul_(per_channel(weight, centred)).add_(per_channel(bias, centred))
+    centred = torch.empty(xs.shape, dtype=xs.dtype, device=xs.device)
+    torch.sub(xs, xs[:, :1], out=centred)
+    channels = x.shape[1]
+    scale = as_dtype(weight, centred.dtype).view(-1, 1)
+    if channels > 1:  # one channel: the shifted values are the normalized ones, zeros
+        for sample in centred:
+            rows = sample.view(channels, -1)
+            torch.mul(F.batch_norm(rows, None, None, training=True, eps=eps), scale, out=rows)
+    else:
+        centred.mul_(per_channel(weight, centred))
+    y = centred.add_(per_channel(bias, centred))
     return as_dtype(y, x.dtype)

@@ -86,3 +86,22 @@ def test_gradients():
     x = torch.randn(3, 4, 3, 3, dtype=torch.float64, requires_grad=True)
     parameters = [p.detach().clone().requires_grad_() for p in layer.parameters()]
     assert torch.autograd.gradcheck(output, (x, *parameters))
+
+
+@pytest.mark.parametrize(
+    "shape,channels_last",
+    [((2, 6, 3, 4), False), ((2, 6, 3, 4), True), ((3, 1, 2, 2), False), ((2, 5, 1, 1), False), ((0, 4, 2, 2), False)],
+    ids=["nchw", "channels_last", "one_channel", "1x1", "empty"],
+)
+def test_gradient_free_pass_equals_the_equations(shape, channels_last):
+    """Without gradients the layer normalizes through BatchNorm's kernel over each sample's (C, H * W) view;
+    the positions' statistics are still the equations', whatever the layout, one channel or none."""
+    torch.manual_seed(0)
+    layer = random_layer(shape[1], torch.float64).eval()
+    x = torch.randn(shape, dtype=torch.float64) * 2 + 1
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    normalized, _, _ = naive_pono(x, layer.eps)
+    expected = normalized * layer.weight[:, None, None] + layer.bias[:, None, None]
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, rtol=0, atol=1e-10)
