@@ -49,7 +49,15 @@ from ..engine.arguments import create_folder_of, positive_int
 from ..engine.export import export
 from ..engine.launch import load_cfg
 from ..layers.sparse_switchable import set_radius, sparse_switchable_layers
-from .timing import WARMUP_ROUNDS, device_seconds, interleaved_seconds, norm_setting_cfgs, range_text, ratio_to
+from .timing import (
+    WARMUP_ROUNDS,
+    device_seconds,
+    interleaved_seconds,
+    norm_setting_cfgs,
+    range_text,
+    ratio_to,
+    timed_norms,
+)
 
 NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
 REFERENCE = "GN"
@@ -90,7 +98,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.parts) - set(PARTS))
     if unknown or not args.parts:
         parser.error(f"--parts: unknown {unknown}; valid parts are {list(PARTS)}")
-    args.norms = list(dict.fromkeys([REFERENCE, *filter(None, args.norms.split(","))]))
+    args.norms = timed_norms(args.norms, REFERENCE)
     return args
 
 

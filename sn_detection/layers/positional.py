@@ -90,11 +90,10 @@ def _evaluated_affine_pono(x: Tensor, weight: Tensor, bias: Tensor, eps: float) 
     torch.sub(xs, xs[:, :1], out=centred)
     channels = x.shape[1]
     scale = as_dtype(weight, centred.dtype).view(-1, 1)
-    if channels > 1:  # one channel: the shifted values are the normalized ones, zeros
-        for sample in centred:
-            rows = sample.view(channels, -1)
-            torch.mul(F.batch_norm(rows, None, None, training=True, eps=eps), scale, out=rows)
-    else:
-        centred.mul_(per_channel(weight, centred))
+    for sample in centred:
+        rows = sample.view(channels, -1)
+        # one channel: the shifted values, zeros, are the normalized ones (BatchNorm refuses a batch of one)
+        normalized = F.batch_norm(rows, None, None, training=True, eps=eps) if channels > 1 else rows
+        torch.mul(normalized, scale, out=rows)
     y = centred.add_(per_channel(bias, centred))
     return as_dtype(y, x.dtype)

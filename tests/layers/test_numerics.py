@@ -33,7 +33,7 @@ def layer_and_batch_norm(name, ratio):
 def errors(layer, x, grad_y):
     """Largest |fp32 - float64| of the output, and of the input gradient relative to its largest value."""
     results = []
-    for dtype in (torch.float32, torch.float64):
+    for dtype in DTYPES:
         inp = x.to(dtype).detach().requires_grad_()
         y = copy.deepcopy(layer).to(dtype)(inp)
         y.backward(grad_y.to(dtype))
